@@ -1,0 +1,1 @@
+"""Built-in lppo callbacks (one per file)."""

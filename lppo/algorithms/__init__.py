@@ -1,0 +1,32 @@
+"""PPO estimators and losses: small pure functions with their formulas in the docstrings."""
+
+from lppo.algorithms.advantages import advantages_and_returns, gae, last_valid_index, token_rewards
+from lppo.algorithms.kl import KLKind, kl_penalty
+from lppo.algorithms.losses import (
+    LossAggregation,
+    PolicyTerms,
+    ValueTerms,
+    entropy_from_logits,
+    policy_loss,
+    token_weights,
+    value_loss,
+)
+from lppo.algorithms.whitening import Moments, whiten
+
+__all__ = [
+    "KLKind",
+    "LossAggregation",
+    "Moments",
+    "PolicyTerms",
+    "ValueTerms",
+    "advantages_and_returns",
+    "entropy_from_logits",
+    "gae",
+    "kl_penalty",
+    "last_valid_index",
+    "policy_loss",
+    "token_rewards",
+    "token_weights",
+    "value_loss",
+    "whiten",
+]

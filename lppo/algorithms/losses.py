@@ -1,0 +1,158 @@
+"""Per-token PPO loss terms. Aggregation (and its exact global normalization) is the caller's.
+
+Every function returns ``[B, T]`` tensors; entries off the mask are meaningless and must be
+masked out by the caller (see :func:`aggregate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lppo.types import Normalizers
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
+
+
+@dataclass
+class PolicyTerms:
+    """Per-token terms of the clipped policy objective.
+
+    Attributes:
+        loss: ``float[B, T]`` the loss to minimize.
+        clipped: ``bool[B, T]`` where the clipped branch was taken.
+        approx_kl: ``float[B, T]`` ``(r − 1) − log r``, a non-negative estimate of KL(π_old‖π).
+        ratio: ``float[B, T]`` ``r = π / π_old``.
+    """
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio: torch.Tensor
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> PolicyTerms:
+    """Clipped surrogate with asymmetric clip range and optional dual clip.
+
+    ``r = exp(logπ − logπ_old)``;
+    ``L = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``; with dual clip ``c > 1``, for
+    ``A < 0`` the loss is further capped: ``L = min(L, −c·A)``.
+
+    Args:
+        logprobs: ``float[B, T]`` under the current policy (with grad).
+        old_logprobs: ``float[B, T]`` under π_old.
+        advantages: ``float[B, T]``.
+        clip_low: ε_low.
+        clip_high: ε_high.
+        dual_clip: ``c`` (> 1) or ``None``.
+
+    Returns:
+        :class:`PolicyTerms`.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_obj)
+    clipped = clipped_obj > unclipped
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1; got {dual_clip}")
+        cap = -advantages * dual_clip
+        capped = (advantages < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+        clipped = clipped | capped
+    approx_kl = (ratio - 1.0) - log_ratio
+    return PolicyTerms(loss=loss, clipped=clipped, approx_kl=approx_kl.detach(), ratio=ratio)
+
+
+@dataclass
+class ValueTerms:
+    """Per-token terms of the clipped value loss.
+
+    Attributes:
+        loss: ``float[B, T]``.
+        clipped: ``bool[B, T]`` where the clipped prediction gave the larger error.
+    """
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    clip: float | None = 0.2,
+) -> ValueTerms:
+    """Clipped value loss ``½·max((V − R)², (V_clip − R)²)``.
+
+    ``V_clip = V_old + clip(V − V_old, −ε, ε)``; with ``clip=None`` the loss is ``½(V − R)²``.
+
+    Args:
+        values: ``float[B, T]`` current predictions (with grad).
+        old_values: ``float[B, T]`` predictions at scoring time.
+        returns: ``float[B, T]`` targets.
+        clip: ε or ``None``.
+
+    Returns:
+        :class:`ValueTerms`.
+    """
+    err = (values - returns).square()
+    if clip is None:
+        return ValueTerms(loss=0.5 * err, clipped=torch.zeros_like(err, dtype=torch.bool))
+    v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+    err_clip = (v_clip - returns).square()
+    return ValueTerms(loss=0.5 * torch.maximum(err, err_clip), clipped=err_clip > err)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy ``−Σ_v p_v log p_v`` of each position's distribution.
+
+    Args:
+        logits: ``float[B, T, V]``.
+
+    Returns:
+        ``float[B, T]``.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def token_weights(
+    mask: torch.Tensor, normalizers: Normalizers, mode: LossAggregation
+) -> torch.Tensor:
+    """Weights ``w`` such that ``Σ w·ℓ`` over a chunk is its exact share of the step's loss.
+
+    * ``token_mean``: ``w = mask / N_tokens`` (global valid tokens of the step);
+    * ``seq_mean_token_mean``: ``w = mask / (n_row · N_rows)`` (per-row token mean, then the
+      mean over the step's valid rows).
+
+    Summing ``Σ w·ℓ`` over every chunk of every rank equals the merged batch's loss exactly.
+
+    Args:
+        mask: ``bool[B, T]`` valid tokens.
+        normalizers: the step's global denominators.
+        mode: aggregation mode.
+
+    Returns:
+        ``float64[B, T]``.
+    """
+    m = mask.to(torch.float64)
+    if mode == "token_mean":
+        return m / max(normalizers.valid_tokens, 1)
+    if mode == "seq_mean_token_mean":
+        per_row = m.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        return m / per_row / max(normalizers.valid_rows, 1)
+    raise ValueError(
+        f"loss aggregation must be 'token_mean' or 'seq_mean_token_mean'; got {mode!r}"
+    )

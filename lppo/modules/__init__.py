@@ -1,0 +1,14 @@
+"""Trainable roles (actor, critic) with the begin / train_chunk / finish / abort lifecycle."""
+
+from lppo.modules.actor import ActorModule, shifted_logprobs
+from lppo.modules.critic import CriticModule
+from lppo.modules.lifecycle import ChunkResult, PPOModule, StepStateError
+
+__all__ = [
+    "ActorModule",
+    "ChunkResult",
+    "CriticModule",
+    "PPOModule",
+    "StepStateError",
+    "shifted_logprobs",
+]

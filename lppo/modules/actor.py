@@ -1,0 +1,177 @@
+"""The actor: a causal LM trained with the clipped PPO objective, one step per ``finish``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lppo.algorithms.losses import LossAggregation, policy_loss
+from lppo.modules.lifecycle import OptimizerFactory, PPOModule, SchedulerFactory
+from lppo.types import Chunk, SumStats
+
+if TYPE_CHECKING:
+    from lppo.models import HFCausalLM
+
+
+def shifted_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of each token and the log-softmax that produced them.
+
+    Args:
+        logits: ``float[B, T, V]``; position ``t`` predicts token ``t + 1``.
+        input_ids: ``int64[B, T]``.
+
+    Returns:
+        ``(logprobs, logp)``: ``float[B, T]`` aligned with ``input_ids`` (0 at position 0), and
+        the ``float[B, T - 1, V]`` log-softmax of positions ``0 … T - 2``.
+    """
+    shifted = logits[:, :-1]
+    if shifted.dtype in (torch.float16, torch.bfloat16):
+        shifted = shifted.float()
+    logp = torch.log_softmax(shifted, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0)), logp
+
+
+class ActorModule(PPOModule):
+    """Policy model with the step lifecycle; subclass it to change the loss or the forward.
+
+    Args:
+        model: a Hugging Face causal LM, or an :class:`~lppo.models.HFCausalLM` spec built at
+            setup once the tokenizer is known.
+        clip_low: ε_low of the ratio clip.
+        clip_high: ε_high of the ratio clip (``> clip_low`` is "clip-higher").
+        dual_clip: dual-clip constant ``c > 1`` for negative advantages, or ``None``.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        temperature: sampling temperature; logits are divided by it before log-softmax, so
+            training scores tokens under the distribution the rollout sampled from.
+        lr: learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        max_grad_norm: grad-norm clip (``None`` disables clipping).
+        loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
+        warmup_steps: linear LR warmup steps.
+        optimizer: optimizer factory replacing AdamW.
+        lr_scheduler: scheduler factory replacing the warmup.
+    """
+
+    role = "actor"
+
+    def __init__(
+        self,
+        model: HFCausalLM | nn.Module,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        entropy_coef: float = 0.0,
+        temperature: float = 1.0,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+        loss_aggregation: LossAggregation = "token_mean",
+        warmup_steps: int = 0,
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+    ) -> None:
+        super().__init__(
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            max_grad_norm=max_grad_norm,
+            loss_aggregation=loss_aggregation,
+            warmup_steps=warmup_steps,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+        )
+        if clip_low < 0 or clip_high < 0:
+            raise ValueError(f"actor.clip_low={clip_low} / clip_high={clip_high} must be >= 0.")
+        if dual_clip is not None and dual_clip <= 1.0:
+            raise ValueError(f"actor.dual_clip={dual_clip} must be > 1 (or null to disable).")
+        if temperature <= 0:
+            raise ValueError(f"actor.temperature={temperature} must be > 0.")
+        self.clip_low = clip_low
+        self.clip_high = clip_high
+        self.dual_clip = dual_clip
+        self.entropy_coef = entropy_coef
+        self.temperature = temperature
+        self.spec: HFCausalLM | None = None
+        self.model: nn.Module | None = None
+        if isinstance(model, nn.Module):
+            self.model = model
+        else:
+            self.spec = model
+
+    def configure_model(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> None:
+        """Build the model from its spec (no-op when a model object was given)."""
+        if self.model is None:
+            assert self.spec is not None
+            self.model = self.spec.build(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+
+    # ---------------------------------------------------------------- forward
+    def logits(self, chunk: Chunk) -> torch.Tensor:
+        """Temperature-scaled logits ``float[B, T, V]`` of the chunk."""
+        if self.model is None:
+            raise RuntimeError("actor model not built: call configure_model() first.")
+        out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
+        return out.logits / self.temperature
+
+    @torch.no_grad()
+    def score(self, chunk: Chunk) -> torch.Tensor:
+        """Log-probabilities of the chunk's tokens, ``float32[B, T]`` (0 off-response)."""
+        was_training = self.training
+        self.eval()
+        try:
+            chunk = chunk.to(self.device)
+            logprobs, _ = shifted_logprobs(self.logits(chunk), chunk.input_ids)
+        finally:
+            self.train(was_training)
+        return torch.where(chunk.response_mask, logprobs, torch.zeros_like(logprobs))
+
+    def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
+        """Clipped policy loss minus the entropy bonus, per token; records diagnostics."""
+        if chunk.old_logprobs is None or chunk.advantages is None:
+            raise ValueError("actor chunks need old_logprobs and advantages columns.")
+        logprobs, logp = shifted_logprobs(self.logits(chunk), chunk.input_ids)
+        terms = policy_loss(
+            logprobs,
+            chunk.old_logprobs.to(logprobs.dtype),
+            chunk.advantages.to(logprobs.dtype),
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+        )
+        mask = chunk.response_mask
+        entropy = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+        loss = terms.loss
+        if self.entropy_coef != 0.0:
+            loss = loss - self.entropy_coef * entropy
+        sums.add("policy_loss_sum", (terms.loss.detach() * mask).sum())
+        sums.add("clipped", (terms.clipped & mask).sum())
+        sums.add("approx_kl_sum", (terms.approx_kl * mask).sum())
+        sums.add("entropy_sum", (entropy.detach() * mask).sum())
+        sums.add("ratio_sum", (terms.ratio.detach() * mask).sum())
+        sums.update_max("ratio_max", terms.ratio.detach()[mask])
+        sums.update_min("ratio_min", terms.ratio.detach()[mask])
+        return loss
+
+    def metrics(self, sums: SumStats) -> dict[str, float]:
+        """Token means of the policy loss, clip fraction, approx KL, entropy and ratio."""
+        n = max(sums.get("valid_tokens"), 1.0)
+        return {
+            "policy_loss": sums.get("policy_loss_sum") / n,
+            "clip_fraction": sums.get("clipped") / n,
+            "approx_kl": sums.get("approx_kl_sum") / n,
+            "entropy": sums.get("entropy_sum") / n,
+            "ratio_mean": sums.get("ratio_sum") / n,
+            "ratio_min": float(sums.mins["ratio_min"]) if "ratio_min" in sums.mins else 0.0,
+            "ratio_max": float(sums.maxs["ratio_max"]) if "ratio_max" in sums.maxs else 0.0,
+        }

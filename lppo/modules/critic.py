@@ -1,0 +1,173 @@
+"""The critic: a transformer backbone plus a scalar value head, trained on clipped value loss."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lppo.algorithms.losses import LossAggregation, value_loss
+from lppo.modules.lifecycle import OptimizerFactory, PPOModule, SchedulerFactory
+from lppo.types import Chunk, SumStats
+
+if TYPE_CHECKING:
+    from lppo.models import HFCausalLM
+
+
+class CriticModule(PPOModule):
+    """Value model with the step lifecycle; subclass it to change the head or the loss.
+
+    ``values[:, t]`` estimates the return from the state before token ``t`` (the backbone's
+    hidden state at ``t - 1``), matching the token alignment of :mod:`lppo.types`.
+
+    Args:
+        backbone: a Hugging Face transformer (base model or causal LM; the last hidden state
+            is used), or an :class:`~lppo.models.HFCausalLM` spec built at setup.
+        value_clip: ε of the clipped value loss (``None``: unclipped squared error).
+        head_init_std: standard deviation of the value head's initial weights.
+        head_seed: seed of the value head's initialization.
+        lr: learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        max_grad_norm: grad-norm clip (``None`` disables clipping).
+        loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
+        warmup_steps: linear LR warmup steps.
+        optimizer: optimizer factory replacing AdamW.
+        lr_scheduler: scheduler factory replacing the warmup.
+    """
+
+    role = "critic"
+
+    def __init__(
+        self,
+        backbone: HFCausalLM | nn.Module,
+        value_clip: float | None = 0.2,
+        head_init_std: float = 0.02,
+        head_seed: int = 0,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+        loss_aggregation: LossAggregation = "token_mean",
+        warmup_steps: int = 0,
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+    ) -> None:
+        super().__init__(
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            max_grad_norm=max_grad_norm,
+            loss_aggregation=loss_aggregation,
+            warmup_steps=warmup_steps,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+        )
+        if value_clip is not None and value_clip <= 0:
+            raise ValueError(f"critic.value_clip={value_clip} must be > 0 (or null to disable).")
+        self.value_clip = value_clip
+        self.head_init_std = head_init_std
+        self.head_seed = head_seed
+        self.spec: HFCausalLM | None = None
+        self.backbone: nn.Module | None = None
+        self.value_head: nn.Linear | None = None
+        if isinstance(backbone, nn.Module):
+            self._attach(backbone)
+        else:
+            self.spec = backbone
+
+    def configure_model(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> None:
+        """Build the backbone from its spec (no-op when a module was given)."""
+        if self.backbone is None:
+            assert self.spec is not None
+            self._attach(
+                self.spec.build_backbone(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+            )
+
+    def _attach(self, backbone: nn.Module) -> None:
+        self.backbone = backbone
+        hidden = int(backbone.config.hidden_size)
+        param = next(backbone.parameters())
+        head = nn.Linear(hidden, 1, dtype=param.dtype, device=param.device)
+        gen = torch.Generator().manual_seed(self.head_seed)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * self.head_init_std)
+            head.bias.zero_()
+        self.value_head = head
+
+    # ---------------------------------------------------------------- forward
+    def values(self, chunk: Chunk) -> torch.Tensor:
+        """Value predictions ``float[B, T]`` (0 at position 0), with grad."""
+        if self.backbone is None or self.value_head is None:
+            raise RuntimeError("critic backbone not built: call configure_model() first.")
+        out = self.backbone(
+            input_ids=chunk.input_ids,
+            attention_mask=chunk.attention_mask.long(),
+            output_hidden_states=True,
+        )
+        hidden = getattr(out, "last_hidden_state", None)
+        if hidden is None:
+            hidden = out.hidden_states[-1]
+        v = self.value_head(hidden[:, :-1]).squeeze(-1)
+        return torch.nn.functional.pad(v, (1, 0))
+
+    @torch.no_grad()
+    def score(self, chunk: Chunk) -> torch.Tensor:
+        """Value predictions ``float32[B, T]`` for scoring (0 off-response)."""
+        was_training = self.training
+        self.eval()
+        try:
+            chunk = chunk.to(self.device)
+            v = self.values(chunk)
+        finally:
+            self.train(was_training)
+        return torch.where(chunk.response_mask, v, torch.zeros_like(v))
+
+    def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
+        """Clipped value loss per token; records the explained-variance and range sums."""
+        if chunk.values is None or chunk.returns is None:
+            raise ValueError("critic chunks need values (old values) and returns columns.")
+        v = self.values(chunk)
+        old = chunk.values.to(v.dtype)
+        ret = chunk.returns.to(v.dtype)
+        terms = value_loss(v, old, ret, clip=self.value_clip)
+        mask = chunk.response_mask
+        vd, rd = v.detach().to(torch.float64)[mask], ret.to(torch.float64)[mask]
+        sums.add("value_loss_sum", (terms.loss.detach() * mask).sum())
+        sums.add("clipped", (terms.clipped & mask).sum())
+        sums.add("return_sum", rd.sum())
+        sums.add("return_sq_sum", rd.square().sum())
+        sums.add("resid_sum", (rd - vd).sum())
+        sums.add("resid_sq_sum", (rd - vd).square().sum())
+        sums.add("value_sum", vd.sum())
+        sums.update_min("value_min", vd)
+        sums.update_max("value_max", vd)
+        sums.update_min("return_min", rd)
+        sums.update_max("return_max", rd)
+        return terms.loss
+
+    def metrics(self, sums: SumStats) -> dict[str, float]:
+        """Value loss, clip fraction, explained variance, value and return mean / min / max."""
+        n = max(sums.get("valid_tokens"), 1.0)
+        ret_mean = sums.get("return_sum") / n
+        ret_var = sums.get("return_sq_sum") / n - ret_mean**2
+        res_mean = sums.get("resid_sum") / n
+        res_var = sums.get("resid_sq_sum") / n - res_mean**2
+        explained = 1.0 - res_var / ret_var if ret_var > 1e-12 else float("nan")
+        return {
+            "value_loss": sums.get("value_loss_sum") / n,
+            "clip_fraction": sums.get("clipped") / n,
+            "explained_variance": explained,
+            "value_mean": sums.get("value_sum") / n,
+            "value_min": float(sums.mins.get("value_min", torch.tensor(0.0))),
+            "value_max": float(sums.maxs.get("value_max", torch.tensor(0.0))),
+            "return_mean": ret_mean,
+            "return_min": float(sums.mins.get("return_min", torch.tensor(0.0))),
+            "return_max": float(sums.maxs.get("return_max", torch.tensor(0.0))),
+        }

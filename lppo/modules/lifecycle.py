@@ -1,0 +1,300 @@
+"""The step lifecycle shared by actor and critic: ``begin → train_chunk* → finish | abort``.
+
+One optimizer step is built from any number of chunks. Each chunk's loss is its exact share of
+the step's loss (masked sum over the step's *global* normalizer), so the accumulated gradient
+equals that of one merged batch, whatever the chunking and the data-parallel size. Gradients
+are summed across data-parallel ranks once, in ``finish``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lppo.algorithms.losses import LossAggregation, token_weights
+from lppo.types import Chunk, StepPlan, StepStats, SumStats
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+class StepStateError(RuntimeError):
+    """A lifecycle method was called out of order."""
+
+
+@dataclass
+class ChunkResult:
+    """What one chunk contributed to the open step.
+
+    Attributes:
+        trained: the chunk ran forward and backward.
+        skipped: the chunk had no valid token and was skipped without a forward pass.
+        loss: the chunk's share of the step loss (0.0 when not trained).
+        tokens: real tokens in the chunk.
+    """
+
+    trained: bool
+    skipped: bool
+    loss: float
+    tokens: int
+
+
+class PPOModule(nn.Module):
+    """Base of :class:`~lppo.modules.ActorModule` and :class:`~lppo.modules.CriticModule`.
+
+    Subclasses implement :meth:`chunk_loss` (per-token loss plus diagnostic sums) and
+    :meth:`trainable_parameters`; :meth:`metrics` turns the step's global sums into ratios.
+
+    Args:
+        lr: learning rate of the default AdamW optimizer.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        max_grad_norm: clip the total grad norm to this (``None``: no clipping; the norm is
+            still computed and checked for non-finite values).
+        loss_aggregation: ``token_mean`` (mean over the step's valid tokens) or
+            ``seq_mean_token_mean`` (token mean per row, then mean over rows).
+        warmup_steps: linear learning-rate warmup over this many optimizer steps.
+        optimizer: factory ``params -> Optimizer`` replacing the default AdamW.
+        lr_scheduler: factory ``optimizer -> LRScheduler`` replacing the warmup schedule.
+    """
+
+    role = "module"
+
+    def __init__(
+        self,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+        loss_aggregation: LossAggregation = "token_mean",
+        warmup_steps: int = 0,
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+    ) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"{self.role}.lr={lr} must be > 0.")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"{self.role}.max_grad_norm={max_grad_norm} must be > 0 or null.")
+        if loss_aggregation not in ("token_mean", "seq_mean_token_mean"):
+            raise ValueError(
+                f"{self.role}.loss_aggregation={loss_aggregation!r}; use 'token_mean' or "
+                "'seq_mean_token_mean'."
+            )
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.eps = eps
+        self.max_grad_norm = max_grad_norm
+        self.loss_aggregation: LossAggregation = loss_aggregation
+        self.warmup_steps = warmup_steps
+        self._optimizer_factory = optimizer
+        self._scheduler_factory = lr_scheduler
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self._plan: StepPlan | None = None
+        self._sums = SumStats()
+        self._chunks_trained = 0
+        self._chunks_skipped = 0
+        self._tokens = 0
+        #: Number of forward passes run in training (skipped chunks run none).
+        self.forward_count = 0
+
+    # ----------------------------------------------------------- subclass API
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters the optimizer updates."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
+        """Per-token loss of ``chunk`` (``float[B, T]``, with grad); add diagnostics to ``sums``.
+
+        Diagnostic sums must be sums over valid tokens (or rows) of this chunk only; the base
+        class reduces them over chunks and ranks and :meth:`metrics` divides them.
+        """
+        raise NotImplementedError
+
+    def metrics(self, sums: SumStats) -> dict[str, float]:
+        """Turn the step's global sums into reported diagnostics."""
+        return {}
+
+    def on_before_step(self, grad_norm: float) -> None:
+        """Hook: gradients are complete (summed over ranks, not yet clipped); override freely."""
+
+    # ------------------------------------------------------------- optimizer
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        """Build the optimizer and scheduler on first use (parameters must exist by then)."""
+        if self.optimizer is None:
+            params = self.trainable_parameters()
+            if self._optimizer_factory is not None:
+                self.optimizer = self._optimizer_factory(params)
+            else:
+                self.optimizer = torch.optim.AdamW(
+                    params,
+                    lr=self.lr,
+                    betas=self.betas,
+                    eps=self.eps,
+                    weight_decay=self.weight_decay,
+                )
+            if self._scheduler_factory is not None:
+                self.scheduler = self._scheduler_factory(self.optimizer)
+            elif self.warmup_steps > 0:
+                warm = self.warmup_steps
+                self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    self.optimizer, lambda step: min(1.0, (step + 1) / warm)
+                )
+        return self.optimizer
+
+    # ------------------------------------------------------------- lifecycle
+    @property
+    def step_open(self) -> bool:
+        """Whether a step has begun and not yet finished or aborted."""
+        return self._plan is not None
+
+    def begin(self, plan: StepPlan) -> None:
+        """Open a step: zero gradients and take the step's global normalizers from ``plan``.
+
+        Raises:
+            StepStateError: a step is already open.
+            ValueError: the plan has no valid token.
+        """
+        if self._plan is not None:
+            raise StepStateError(
+                f"{self.role}.begin() called while step (epoch {self._plan.epoch}, minibatch "
+                f"{self._plan.minibatch}) is open; call finish() or abort() first."
+            )
+        if plan.normalizers.valid_tokens < 1:
+            raise ValueError(f"{self.role}.begin(): the step plan has no valid token.")
+        self.configure_optimizer()
+        self.train()
+        self._zero_grad()
+        self._plan = plan
+        self._sums = SumStats()
+        self._chunks_trained = self._chunks_skipped = self._tokens = 0
+
+    def train_chunk(self, chunk: Chunk) -> ChunkResult:
+        """Accumulate one chunk's gradient into the open step.
+
+        A padding chunk contributes nothing; a chunk with no valid token is skipped without a
+        forward pass and counted.
+
+        Raises:
+            StepStateError: no step is open.
+        """
+        plan = self._require_open("train_chunk")
+        if chunk.is_padding:
+            self._chunks_trained += 1
+            return ChunkResult(trained=False, skipped=False, loss=0.0, tokens=0)
+        if chunk.num_valid_tokens == 0:
+            self._chunks_skipped += 1
+            return ChunkResult(trained=False, skipped=True, loss=0.0, tokens=chunk.num_tokens)
+        chunk = chunk.to(self.device)
+        self.forward_count += 1
+        per_token = self.chunk_loss(chunk, self._sums)
+        weights = token_weights(chunk.response_mask, plan.normalizers, self.loss_aggregation)
+        loss = (per_token.to(torch.float64) * weights).sum()
+        loss.backward()
+        value = float(loss.detach())
+        self._sums.add("loss", value)
+        self._sums.add("valid_tokens", chunk.num_valid_tokens)
+        self._chunks_trained += 1
+        self._tokens += chunk.num_tokens
+        return ChunkResult(trained=True, skipped=False, loss=value, tokens=chunk.num_tokens)
+
+    def finish(self) -> StepStats:
+        """Close the step: sync grads across ranks, clip, and take exactly one optimizer step.
+
+        A non-finite gradient norm takes no step (parameters and optimizer state untouched)
+        and is reported with ``stepped=False``.
+
+        Raises:
+            StepStateError: no step is open, or no chunk was trained.
+        """
+        plan = self._require_open("finish")
+        if self._chunks_trained == 0:
+            raise StepStateError(
+                f"{self.role}.finish() with no chunk trained in this step "
+                f"({self._chunks_skipped} skipped); call abort() instead."
+            )
+        assert self.optimizer is not None
+        params = [p for p in self.trainable_parameters()]
+        self._sync_gradients(params)
+        self._sums.all_reduce()
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else 0.0
+        stepped = math.isfinite(grad_norm)
+        self.on_before_step(grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if stepped:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(
+                    params, self.max_grad_norm, torch.tensor(grad_norm)
+                )
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self._zero_grad()
+        stats = StepStats(
+            role=self.role,
+            epoch=plan.epoch,
+            minibatch=plan.minibatch,
+            stepped=stepped,
+            grad_norm=grad_norm,
+            lr=lr,
+            chunks_trained=self._chunks_trained,
+            chunks_skipped=self._chunks_skipped,
+            valid_tokens=plan.normalizers.valid_tokens,
+            valid_rows=plan.normalizers.valid_rows,
+            tokens=self._tokens,
+            metrics={"loss": self._sums.get("loss"), **self.metrics(self._sums)},
+        )
+        self._plan = None
+        return stats
+
+    def abort(self) -> None:
+        """Drop the open step: no optimizer step, gradients and step state discarded.
+
+        Parameters and optimizer state are exactly as they were at :meth:`begin` (chunks only
+        touch gradients). Calling ``abort`` with no open step is a no-op, so cleanup paths can
+        call it unconditionally.
+        """
+        self._zero_grad()
+        self._plan = None
+        self._sums = SumStats()
+
+    # --------------------------------------------------------------- helpers
+    @property
+    def device(self) -> torch.device:
+        """Device of the module's parameters."""
+        return next(self.parameters()).device
+
+    def _require_open(self, method: str) -> StepPlan:
+        if self._plan is None:
+            raise StepStateError(f"{self.role}.{method}() called with no open step; call begin().")
+        return self._plan
+
+    def _zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    @staticmethod
+    def _sync_gradients(params: list[nn.Parameter]) -> None:
+        """Sum gradients over data-parallel ranks (each rank holds its share of the step)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p))
+            offset += n

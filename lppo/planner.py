@@ -1,0 +1,273 @@
+"""The chunk planner: which rows each rank trains, in which chunks, for every optimizer step.
+
+The planner works from :class:`~lppo.types.RowMeta` alone (lengths and valid-token counts), so
+it knows every step's global normalizers before the first chunk is read.
+
+Per epoch: invalid rows (no valid token) are filtered out and counted against the drop budget;
+the valid rows are shuffled with a seed derived from ``(seed, phase, iteration, epoch)``, split
+into ``minibatches`` optimizer steps, and each step is packed into chunks whose padded size
+``rows × longest row`` stays within ``max_tokens_per_chunk`` (rows sorted by length inside the
+step to keep padding low; the order of chunks inside a step does not change its gradient).
+Chunks are dealt round-robin over data-parallel ranks and every rank is padded with empty,
+zero-weight chunks up to the same count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from lppo.types import Normalizers, RowMeta, StepPlan
+
+
+class DropBudgetExceeded(RuntimeError):
+    """More samples were lost in an iteration than ``drop_budget`` allows."""
+
+
+class NoValidRows(RuntimeError):
+    """An iteration has no row with a valid token: nothing can be trained."""
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One rank's plan of one phase epoch.
+
+    Attributes:
+        steps: one :class:`StepPlan` per optimizer step (``minibatches`` of them).
+        valid_rows: ids of the rows trained this epoch (every rank), in shuffled order.
+        invalid_rows: ids of rows without a valid token (never trained, still released).
+        dropped: samples lost before the store (rollout failures) reported by the caller.
+    """
+
+    steps: tuple[StepPlan, ...]
+    valid_rows: tuple[int, ...]
+    invalid_rows: tuple[int, ...]
+    dropped: int
+
+    @property
+    def padding_fraction(self) -> float:
+        """Mean padding fraction over the epoch's steps."""
+        return sum(s.padding_fraction for s in self.steps) / max(len(self.steps), 1)
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class ChunkPlanner:
+    """Plans token-budget chunks, shuffled minibatches and data-parallel shards.
+
+    Args:
+        max_tokens_per_chunk: padded-token budget of one chunk (``rows × longest row``).
+        world_size: data-parallel size.
+        rank: this process's data-parallel rank.
+        seed: base seed of the per-epoch shuffles.
+        shuffle: shuffle rows every epoch (``False`` keeps id order).
+        drop_budget: samples that may be lost per iteration (invalid rows plus rollout
+            failures) before the iteration fails.
+        fixed_rows_per_rank: every rank must train exactly the same number of rows per step
+            (engines with fixed micro-batch shapes). Incompatible with a drop budget.
+        max_row_length: longest row the configuration can produce (prompt + new tokens); when
+            given, a budget below it is rejected at construction.
+        rows_per_iteration: rows each iteration puts into the store, when known; used to check
+            divisibility at construction.
+        minibatches: optimizer steps per epoch this planner will be asked for (for the
+            divisibility check; :meth:`plan` takes the actual value).
+
+    Raises:
+        ValueError: an inconsistent configuration, with the keys, the values and the fix.
+    """
+
+    def __init__(
+        self,
+        max_tokens_per_chunk: int,
+        world_size: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_budget: int = 0,
+        fixed_rows_per_rank: bool = False,
+        max_row_length: int | None = None,
+        rows_per_iteration: int | None = None,
+        minibatches: int = 1,
+    ) -> None:
+        if max_tokens_per_chunk < 1:
+            raise ValueError(
+                f"data.max_tokens_per_chunk={max_tokens_per_chunk} must be >= 1; "
+                "set it to at least the longest row (prompt + max_new_tokens)."
+            )
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"data-parallel rank={rank} world_size={world_size} is inconsistent; "
+                "need world_size >= 1 and 0 <= rank < world_size."
+            )
+        if drop_budget < 0:
+            raise ValueError(f"data.drop_budget={drop_budget} must be >= 0.")
+        if minibatches < 1:
+            raise ValueError(f"minibatches={minibatches} must be >= 1.")
+        if max_row_length is not None and max_tokens_per_chunk < max_row_length:
+            raise ValueError(
+                f"data.max_tokens_per_chunk={max_tokens_per_chunk} is below the longest possible "
+                f"row ({max_row_length} tokens = prompt + max_new_tokens); raise "
+                f"data.max_tokens_per_chunk to at least {max_row_length}, or shorten prompts / "
+                "max_new_tokens."
+            )
+        if fixed_rows_per_rank:
+            per_step = world_size * minibatches
+            if drop_budget > 0:
+                raise ValueError(
+                    f"data.drop_budget={drop_budget} with data.fixed_rows_per_rank=true and "
+                    f"{world_size} data-parallel ranks x {minibatches} minibatches: dropping any "
+                    f"sample can leave a row count not divisible by {per_step}. Set "
+                    "data.drop_budget=0, or data.fixed_rows_per_rank=false (token-budget chunks "
+                    "with zero-weight padding keep normalization exact whatever is dropped)."
+                )
+            if rows_per_iteration is not None and rows_per_iteration % per_step != 0:
+                raise ValueError(
+                    f"rows per iteration ({rows_per_iteration}) is not divisible by "
+                    f"data-parallel size x minibatches = {world_size} x {minibatches} = "
+                    f"{per_step} while data.fixed_rows_per_rank=true; choose a prompt count / "
+                    "samples per prompt whose product is a multiple of "
+                    f"{per_step}, or set data.fixed_rows_per_rank=false."
+                )
+        self.max_tokens_per_chunk = max_tokens_per_chunk
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_budget = drop_budget
+        self.fixed_rows_per_rank = fixed_rows_per_rank
+
+    # ------------------------------------------------------------------ public
+    def plan(
+        self,
+        meta: RowMeta,
+        epoch: int = 0,
+        minibatches: int = 1,
+        phase: str = "train",
+        iteration: int = 0,
+        dropped: int = 0,
+    ) -> EpochPlan:
+        """Plan one epoch of one phase for this rank.
+
+        Args:
+            meta: lengths and valid-token counts of every row of the iteration (all ranks).
+            epoch: phase epoch (part of the shuffle seed).
+            minibatches: optimizer steps in the epoch.
+            phase: phase name (part of the shuffle seed), e.g. ``"actor"``.
+            iteration: RL iteration (part of the shuffle seed).
+            dropped: samples lost before reaching the store (count against the drop budget).
+
+        Returns:
+            The :class:`EpochPlan`.
+
+        Raises:
+            DropBudgetExceeded: invalid rows plus ``dropped`` exceed the drop budget.
+            NoValidRows: no row has a valid token.
+            ValueError: a row longer than the chunk budget, or fewer valid rows than steps.
+        """
+        length = dict(zip(meta.ids, meta.lengths, strict=True))
+        longest = max(meta.lengths, default=0)
+        if longest > self.max_tokens_per_chunk:
+            worst = max(meta.ids, key=length.__getitem__)
+            raise ValueError(
+                f"row {worst} has {longest} tokens, above data.max_tokens_per_chunk="
+                f"{self.max_tokens_per_chunk}; raise data.max_tokens_per_chunk to at least "
+                f"{longest}."
+            )
+        valid = [i for i, n in zip(meta.ids, meta.valid_tokens, strict=True) if n > 0]
+        invalid = tuple(i for i, n in zip(meta.ids, meta.valid_tokens, strict=True) if n == 0)
+        lost = len(invalid) + dropped
+        if lost > self.drop_budget:
+            raise DropBudgetExceeded(
+                f"{lost} samples lost this iteration ({len(invalid)} invalid rows, {dropped} "
+                f"dropped before the store) exceed data.drop_budget={self.drop_budget}; raise "
+                "data.drop_budget or fix the rollouts that produce empty / masked responses."
+            )
+        if not valid:
+            raise NoValidRows(
+                f"none of the {len(meta.ids)} rows of iteration {iteration} has a valid "
+                "response token; nothing can be trained (check response masking, overlong "
+                "filtering and the rollout engine)."
+            )
+        if minibatches < 1:
+            raise ValueError(f"minibatches={minibatches} must be >= 1.")
+        if len(valid) < minibatches * (self.world_size if self.fixed_rows_per_rank else 1):
+            raise ValueError(
+                f"{len(valid)} valid rows cannot fill {minibatches} minibatches; lower the "
+                "number of minibatches or collect more rows per iteration."
+            )
+        if self.fixed_rows_per_rank and len(valid) % (self.world_size * minibatches) != 0:
+            raise ValueError(
+                f"{len(valid)} valid rows are not divisible by {self.world_size} ranks x "
+                f"{minibatches} minibatches while data.fixed_rows_per_rank=true."
+            )
+        order = list(valid)
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(_seed(self.seed, phase, iteration, epoch))
+            order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
+        valid_count = dict(zip(meta.ids, meta.valid_tokens, strict=True))
+        steps = []
+        for k, rows in enumerate(_split(order, minibatches)):
+            steps.append(self._plan_step(rows, length, valid_count, epoch, k))
+        return EpochPlan(
+            steps=tuple(steps), valid_rows=tuple(order), invalid_rows=invalid, dropped=dropped
+        )
+
+    # ----------------------------------------------------------------- helpers
+    def _plan_step(
+        self,
+        rows: list[int],
+        length: dict[int, int],
+        valid_count: dict[int, int],
+        epoch: int,
+        minibatch: int,
+    ) -> StepPlan:
+        if self.fixed_rows_per_rank:
+            shares = _split(rows, self.world_size)
+            per_rank = [self._pack(share, length) for share in shares]
+        else:
+            chunks = self._pack(rows, length)
+            per_rank = [chunks[r :: self.world_size] for r in range(self.world_size)]
+        width = max(len(c) for c in per_rank)
+        mine = per_rank[self.rank] + [()] * (width - len(per_rank[self.rank]))
+        slots = sum(len(c) * max(length[i] for i in c) for cs in per_rank for c in cs)
+        used = sum(length[i] for i in rows)
+        return StepPlan(
+            chunks=tuple(tuple(c) for c in mine),
+            normalizers=Normalizers(
+                valid_tokens=sum(valid_count[i] for i in rows), valid_rows=len(rows)
+            ),
+            epoch=epoch,
+            minibatch=minibatch,
+            padding_fraction=1.0 - used / slots if slots else 0.0,
+        )
+
+    def _pack(self, rows: list[int], length: dict[int, int]) -> list[tuple[int, ...]]:
+        """Greedy packing of rows, longest first, so ``len(chunk) × longest ≤ budget``."""
+        ordered = sorted(rows, key=lambda i: -length[i])
+        chunks: list[tuple[int, ...]] = []
+        current: list[int] = []
+        for i in ordered:
+            # Rows come longest first, so the chunk's first row sets its padded width.
+            if current and (len(current) + 1) * length[current[0]] > self.max_tokens_per_chunk:
+                chunks.append(tuple(current))
+                current = []
+            current.append(i)
+        if current:
+            chunks.append(tuple(current))
+        return chunks
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """Split ``items`` into ``parts`` contiguous pieces whose sizes differ by at most one."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out

@@ -1,0 +1,269 @@
+"""Typed containers passed between lppo's components.
+
+Token alignment convention (every token-level tensor in lppo follows it): position ``t`` of
+a row is aligned with ``input_ids[t]``. ``logprobs[t]`` is ``log p(input_ids[t] | input_ids[:t])``
+and ``values[t]`` is the critic's estimate of the state *before* token ``t`` is emitted (computed
+from the hidden state at ``t - 1``). Position 0 has no prediction, so ``response_mask[0]`` is
+always ``False`` and every token-level field holds 0 there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+
+# Names of the columns lppo itself reads and writes in a replay store.
+INPUT_IDS = "input_ids"
+RESPONSE_MASK = "response_mask"
+GEN_LOGPROBS = "gen_logprobs"
+REWARD = "reward"
+OLD_LOGPROBS = "old_logprobs"
+REF_LOGPROBS = "ref_logprobs"
+VALUES = "values"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+
+
+@dataclass
+class Rollout:
+    """Rows produced by one rollout, packed: one variable-length entry per sample.
+
+    Attributes:
+        input_ids: ``len == n_rows``; row ``i`` is ``int64[L_i]`` (prompt followed by response).
+        response_mask: ``bool[L_i]`` per row; ``True`` on response tokens that are trained on.
+        gen_logprobs: ``float32[L_i]`` per row; the sampler's log-probabilities (0 off-response).
+        reward: ``float32[n_rows]``; the sequence-level score of each row.
+        prompt_index: ``int64[n_rows]``; which prompt of the batch each row answers.
+        extras: any further per-row fields (``[L_i]`` token-level or 0-dim row-level tensors).
+    """
+
+    input_ids: list[torch.Tensor]
+    response_mask: list[torch.Tensor]
+    gen_logprobs: list[torch.Tensor]
+    reward: torch.Tensor
+    prompt_index: torch.Tensor
+    extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def columns(self) -> dict[str, list[torch.Tensor]]:
+        """Return the rows as replay-store columns (``name -> one tensor per row``)."""
+        cols: dict[str, list[torch.Tensor]] = {
+            INPUT_IDS: list(self.input_ids),
+            RESPONSE_MASK: list(self.response_mask),
+            GEN_LOGPROBS: list(self.gen_logprobs),
+            REWARD: list(self.reward.unbind(0)),
+            "prompt_index": list(self.prompt_index.unbind(0)),
+        }
+        cols.update({k: list(v) for k, v in self.extras.items()})
+        return cols
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """What a replay store knows about rows without reading their tensors.
+
+    Attributes:
+        ids: row ids, in the order asked for.
+        lengths: total tokens of each row (prompt + response).
+        valid_tokens: number of ``True`` entries of each row's ``response_mask``.
+    """
+
+    ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    valid_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """Global denominators of one optimizer step, known before its first chunk.
+
+    Attributes:
+        valid_tokens: valid (masked-in) tokens over every chunk of the step, on every rank.
+        valid_rows: rows with at least one valid token over every chunk of the step, every rank.
+    """
+
+    valid_tokens: int
+    valid_rows: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The chunks one rank trains for one optimizer step.
+
+    Attributes:
+        chunks: row ids of each chunk for this rank; an empty tuple is a zero-weight padding
+            chunk that keeps every data-parallel rank at the same number of chunks.
+        normalizers: global denominators of the step (all chunks, all ranks).
+        epoch: the phase epoch this step belongs to.
+        minibatch: index of the step inside its epoch.
+        padding_fraction: padded-but-empty token slots over all slots of the step's chunks.
+    """
+
+    chunks: tuple[tuple[int, ...], ...]
+    normalizers: Normalizers
+    epoch: int = 0
+    minibatch: int = 0
+    padding_fraction: float = 0.0
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of chunks this rank trains (padding chunks included)."""
+        return len(self.chunks)
+
+
+@dataclass
+class Chunk:
+    """A right-padded slice of replay rows, ready for a forward pass.
+
+    ``B`` rows, ``T`` = longest row of the chunk. Padding positions have ``attention_mask``
+    and ``response_mask`` ``False`` and hold 0 in every other field.
+
+    Attributes:
+        row_ids: replay ids of the ``B`` rows.
+        input_ids: ``int64[B, T]``.
+        attention_mask: ``bool[B, T]``; ``True`` on real tokens.
+        response_mask: ``bool[B, T]``; ``True`` on trained tokens.
+        old_logprobs: ``float[B, T]`` π_old log-probabilities, when scored.
+        ref_logprobs: ``float[B, T]`` reference log-probabilities, when scored.
+        values: ``float[B, T]`` critic values at scoring time (the "old" values), when scored.
+        advantages: ``float[B, T]`` whitened advantages, when computed.
+        returns: ``float[B, T]`` value targets, when computed.
+        reward: ``float[B]`` sequence scores, when read.
+        extras: any other column read, ``[B, T]`` or ``[B]``.
+        is_padding: ``True`` for a zero-weight chunk that exists only to keep ranks in step.
+    """
+
+    row_ids: tuple[int, ...]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    reward: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    is_padding: bool = False
+
+    @property
+    def num_valid_tokens(self) -> int:
+        """Number of trained tokens in the chunk."""
+        return int(self.response_mask.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of real (unpadded) tokens in the chunk."""
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device | str) -> Chunk:
+        """Return a copy with every tensor moved to ``device``."""
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v.to(device)
+            elif isinstance(v, dict):
+                v = {k: t.to(device) for k, t in v.items()}
+            moved[f.name] = v
+        return Chunk(**moved)
+
+
+@dataclass
+class SumStats:
+    """Additive diagnostic sums of one optimizer step (float64 scalars, plus min / max).
+
+    Every reported diagnostic is a ratio of these global sums, never a mean of chunk means, so
+    any chunking and any data-parallel size report the same numbers.
+
+    Attributes:
+        sums: ``name -> float64 0-dim tensor`` summed over tokens (or rows).
+        mins: ``name -> float64 0-dim tensor`` running minimum.
+        maxs: ``name -> float64 0-dim tensor`` running maximum.
+    """
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    mins: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        """Add ``value`` to the running sum ``name``."""
+        v = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
+        self.sums[name] = self.sums[name] + v if name in self.sums else v.clone()
+
+    def update_min(self, name: str, value: torch.Tensor) -> None:
+        """Fold ``value`` (any shape, non-empty) into the running minimum ``name``."""
+        v = value.detach().to(torch.float64).min().cpu()
+        self.mins[name] = torch.minimum(self.mins[name], v) if name in self.mins else v
+
+    def update_max(self, name: str, value: torch.Tensor) -> None:
+        """Fold ``value`` (any shape, non-empty) into the running maximum ``name``."""
+        v = value.detach().to(torch.float64).max().cpu()
+        self.maxs[name] = torch.maximum(self.maxs[name], v) if name in self.maxs else v
+
+    def get(self, name: str) -> float:
+        """Return the sum ``name`` as a float (0.0 when never added)."""
+        return float(self.sums[name]) if name in self.sums else 0.0
+
+    def all_reduce(self) -> None:
+        """Sum / min / max every entry across the default process group (no-op without one)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if torch.distributed.get_world_size() == 1:
+            return
+        dist = torch.distributed
+        for table, op, fill in (
+            (self.sums, dist.ReduceOp.SUM, 0.0),
+            (self.mins, dist.ReduceOp.MIN, math.inf),
+            (self.maxs, dist.ReduceOp.MAX, -math.inf),
+        ):
+            names = sorted(table)
+            # Every rank must reduce the same names: gather the union first.
+            union: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(union, names)
+            names = sorted({n for part in union for n in part})
+            if not names:
+                continue
+            flat = torch.stack(
+                [table.get(n, torch.tensor(fill, dtype=torch.float64)) for n in names]
+            )
+            dist.all_reduce(flat, op=op)
+            for n, v in zip(names, flat.unbind(0), strict=True):
+                table[n] = v.clone()
+
+
+@dataclass
+class StepStats:
+    """Statistics of one finished (or skipped) optimizer step.
+
+    Attributes:
+        role: ``"actor"`` or ``"critic"``.
+        epoch: phase epoch of the step.
+        minibatch: index of the step inside its epoch.
+        stepped: ``True`` when the optimizer stepped; ``False`` when the grad norm was not finite.
+        grad_norm: total gradient norm before clipping (may be ``inf`` / ``nan`` when skipped).
+        lr: learning rate used by the step.
+        chunks_trained: chunks that ran forward and backward (padding chunks included).
+        chunks_skipped: invalid chunks (no valid token) skipped without a forward pass.
+        valid_tokens: global valid-token normalizer of the step.
+        valid_rows: global valid-row normalizer of the step.
+        tokens: real tokens processed on this rank (for throughput).
+        metrics: diagnostics, ``name -> float`` (e.g. ``loss``, ``clip_fraction``).
+    """
+
+    role: str
+    epoch: int
+    minibatch: int
+    stepped: bool
+    grad_norm: float
+    lr: float
+    chunks_trained: int
+    chunks_skipped: int
+    valid_tokens: int
+    valid_rows: int
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)

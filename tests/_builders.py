@@ -1,0 +1,91 @@
+"""Shared builders for tests: tiny float64 models and random replay rows."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+
+from lppo.replay import MemoryReplayStore
+from lppo.types import (
+    ADVANTAGES,
+    INPUT_IDS,
+    OLD_LOGPROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD,
+    VALUES,
+)
+
+VOCAB = 23
+
+
+def gpt2_config() -> GPT2Config:
+    return GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
+def tiny_lm(seed: int = 0, dtype: torch.dtype = torch.float64) -> GPT2LMHeadModel:
+    """Deterministic tiny GPT-2 LM (float64 keeps every op in float64, unlike Llama's RMSNorm)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(gpt2_config())
+    return model.to(dtype)
+
+
+def tiny_backbone(seed: int = 0, dtype: torch.dtype = torch.float64) -> GPT2Model:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = GPT2Model(gpt2_config())
+    return model.to(dtype)
+
+
+def random_rows(
+    n: int,
+    seed: int,
+    min_len: int = 3,
+    max_len: int = 14,
+    invalid_rows: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> dict[str, list[torch.Tensor]]:
+    """``n`` random rows with every column the actor and critic read.
+
+    Responses get a random mask with holes (environment-masked tokens); the first
+    ``invalid_rows`` rows have an all-False response mask.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cols: dict[str, list[torch.Tensor]] = {
+        k: [] for k in (INPUT_IDS, RESPONSE_MASK, REWARD, OLD_LOGPROBS, ADVANTAGES, VALUES, RETURNS)
+    }
+    for i in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        prompt = int(torch.randint(1, length, (1,), generator=g))
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[prompt:] = torch.rand(length - prompt, generator=g) > 0.2
+        if not mask.any():
+            mask[-1] = True
+        if i < invalid_rows:
+            mask[:] = False
+        cols[INPUT_IDS].append(torch.randint(0, VOCAB, (length,), generator=g))
+        cols[RESPONSE_MASK].append(mask)
+        cols[REWARD].append(torch.rand((), generator=g, dtype=dtype))
+        for name, scale in ((OLD_LOGPROBS, 1.0), (ADVANTAGES, 1.0), (VALUES, 0.5), (RETURNS, 1.0)):
+            x = torch.randn(length, generator=g, dtype=dtype) * scale
+            if name == OLD_LOGPROBS:
+                x = -x.abs() - 2.5
+            cols[name].append(torch.where(mask, x, torch.zeros_like(x)))
+    return cols
+
+
+def filled_store(cols: dict[str, list[torch.Tensor]]) -> MemoryReplayStore:
+    store = MemoryReplayStore()
+    n = len(cols[INPUT_IDS])
+    store.put(list(range(n)), cols)
+    return store
