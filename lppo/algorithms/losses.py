@@ -125,7 +125,10 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         ``float[B, T]``.
     """
     logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    probs = logp.exp()
+    # 0 · log 0 = 0: entries masked to −inf must not turn the entropy (or its gradient) NaN.
+    logp = logp.clamp_min(torch.finfo(logp.dtype).min)
+    return -(probs * logp).sum(dim=-1)
 
 
 def token_weights(

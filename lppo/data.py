@@ -1,0 +1,113 @@
+"""``ReplayDataModule``: the replay store plus the chunk planner, streaming chunks on demand."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+
+from lppo.chunks import iter_chunks
+from lppo.planner import ChunkPlanner, EpochPlan
+from lppo.replay.base import ReplayStore
+from lppo.replay.memory import MemoryReplayStore
+from lppo.types import Chunk, StepPlan
+
+
+class ReplayDataModule(LightningDataModule):
+    """Owns the iteration's replay store and streams planned chunks out of it.
+
+    Nothing is materialized beyond the chunk being trained: :meth:`stream` reads each chunk's
+    rows from the store when the training loop reaches it and pads only that chunk.
+
+    Args:
+        max_tokens_per_chunk: padded-token budget of one chunk (``rows × longest row``); the
+            knob that bounds activation memory.
+        store: the replay backend (default: the in-process :class:`MemoryReplayStore`).
+        drop_budget: samples that may be lost per iteration (invalid rows, rollout failures)
+            before the iteration fails.
+        fixed_rows_per_rank: every data-parallel rank trains the same number of rows per step
+            (engines with fixed micro-batch shapes); requires ``drop_budget=0``.
+        shuffle: shuffle rows every epoch.
+        seed: base seed of the shuffles.
+    """
+
+    def __init__(
+        self,
+        max_tokens_per_chunk: int = 4096,
+        store: ReplayStore | None = None,
+        drop_budget: int = 0,
+        fixed_rows_per_rank: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.max_tokens_per_chunk = max_tokens_per_chunk
+        self.store: ReplayStore = store if store is not None else MemoryReplayStore()
+        self.drop_budget = drop_budget
+        self.fixed_rows_per_rank = fixed_rows_per_rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.planner = self._make_planner()
+
+    def _make_planner(self, **kwargs: Any) -> ChunkPlanner:
+        return ChunkPlanner(
+            max_tokens_per_chunk=self.max_tokens_per_chunk,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_budget=self.drop_budget,
+            fixed_rows_per_rank=self.fixed_rows_per_rank,
+            **kwargs,
+        )
+
+    def configure(
+        self,
+        world_size: int = 1,
+        rank: int = 0,
+        max_row_length: int | None = None,
+        rows_per_iteration: int | None = None,
+        minibatches: int = 1,
+    ) -> None:
+        """Rebuild the planner with what setup knows; rejects impossible settings eagerly.
+
+        Raises:
+            ValueError: naming the keys, the values and the fix.
+        """
+        self.planner = self._make_planner(
+            world_size=world_size,
+            rank=rank,
+            max_row_length=max_row_length,
+            rows_per_iteration=rows_per_iteration,
+            minibatches=minibatches,
+        )
+
+    def plan(
+        self,
+        row_ids: Sequence[int],
+        phase: str,
+        iteration: int,
+        epoch: int = 0,
+        minibatches: int = 1,
+        dropped: int = 0,
+    ) -> EpochPlan:
+        """Plan one epoch of ``phase`` over rows ``row_ids`` (metadata only, no tensor read)."""
+        return self.planner.plan(
+            self.store.meta(row_ids),
+            epoch=epoch,
+            minibatches=minibatches,
+            phase=phase,
+            iteration=iteration,
+            dropped=dropped,
+        )
+
+    def stream(self, step: StepPlan, names: Sequence[str]) -> Iterator[Chunk]:
+        """Yield the chunks of ``step`` with columns ``names``, reading each when reached."""
+        return iter_chunks(self.store, step, names)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The store's content (empty at iteration boundaries)."""
+        return {"store": self.store.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the store's content."""
+        self.store.load_state_dict(state_dict["store"])

@@ -1,0 +1,107 @@
+"""lppo's own callback hooks and the per-iteration context they receive.
+
+:class:`PPOCallback` is a Lightning :class:`~lightning.pytorch.callbacks.Callback` with extra
+hooks that the controller calls during an RL iteration, so one callback object serves both
+``Trainer(callbacks=[...])`` and the pure-Python :class:`~lppo.controller.PPOController`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+
+from lppo.types import StepStats
+
+if TYPE_CHECKING:
+    from lppo.controller import PPOController
+    from lppo.modules.lifecycle import ChunkResult, PPOModule
+    from lppo.types import StepPlan
+
+
+@dataclass
+class IterationContext:
+    """Where an RL iteration stands; handed to every hook.
+
+    Attributes:
+        controller: the running controller (gives access to store, actor, critic, data).
+        iteration: RL iteration index (0-based).
+        phase: ``collect``, ``score``, ``advantages``, ``critic``, ``actor`` or ``release``.
+        epoch: epoch inside the phase (``-1`` outside training phases).
+        minibatch: optimizer step inside the epoch (``-1`` outside training phases).
+        chunk: index of the chunk inside the step (``-1`` before the first).
+        row_ids: ids of the iteration's rows in the replay store.
+        module: the module whose step is open (actor or critic), if any.
+        plan: the plan of the open step, if any.
+        step_stats: statistics of every finished step of the iteration, in order.
+        rows_released: whether the iteration's rows have been released.
+        trainer: the Lightning trainer when run under one, else ``None``.
+        info: free-form per-iteration values callbacks may share (e.g. timings).
+    """
+
+    controller: PPOController
+    iteration: int
+    phase: str = "collect"
+    epoch: int = -1
+    minibatch: int = -1
+    chunk: int = -1
+    row_ids: tuple[int, ...] = ()
+    module: PPOModule | None = None
+    plan: StepPlan | None = None
+    step_stats: list[StepStats] = field(default_factory=list)
+    rows_released: bool = False
+    trainer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def where(self) -> str:
+        """Human-readable position, e.g. ``iteration 3, phase critic, epoch 1, chunk 4``."""
+        parts = [f"iteration {self.iteration}", f"phase {self.phase}"]
+        if self.epoch >= 0:
+            parts.append(f"epoch {self.epoch}")
+        if self.minibatch > 0:
+            parts.append(f"minibatch {self.minibatch}")
+        if self.chunk >= 0:
+            parts.append(f"chunk {self.chunk}")
+        return ", ".join(parts)
+
+    def release_rows(self) -> bool:
+        """Release the iteration's rows from the store exactly once.
+
+        Returns:
+            ``True`` when this call released them, ``False`` when they already were.
+        """
+        if self.rows_released:
+            return False
+        self.rows_released = True
+        if self.row_ids:
+            self.controller.data.store.release(self.row_ids)
+        return True
+
+
+class PPOCallback(Callback):
+    """A Lightning callback that also receives lppo's iteration hooks (all no-ops here)."""
+
+    def on_rollout_end(self, ctx: IterationContext) -> None:
+        """Rows of the iteration are in the store (``ctx.row_ids``)."""
+
+    def on_phase_epoch_start(self, ctx: IterationContext) -> None:
+        """A critic or actor epoch starts (``ctx.phase``, ``ctx.epoch``)."""
+
+    def on_train_step_start(self, ctx: IterationContext) -> None:
+        """A step was begun (``ctx.module``, ``ctx.plan``); no chunk trained yet."""
+
+    def on_chunk_end(self, ctx: IterationContext, result: ChunkResult) -> None:
+        """A chunk was trained or skipped (``ctx.chunk``)."""
+
+    def on_train_step_end(self, ctx: IterationContext) -> None:
+        """Every chunk of the open step is done; the step is still open."""
+
+    def on_phase_epoch_end(self, ctx: IterationContext) -> None:
+        """A critic or actor epoch ended; its steps are in ``ctx.step_stats``."""
+
+    def on_iteration_end(self, ctx: IterationContext) -> None:
+        """Both phases are done and the iteration is about to be released."""
+
+    def on_ppo_abort(self, ctx: IterationContext, error: BaseException) -> None:
+        """The iteration failed at ``ctx.where()``; clean up."""

@@ -1,0 +1,219 @@
+"""Factories of Hugging Face causal language models (actor / reference) and backbones (critic).
+
+:class:`HFCausalLM` is addressed by ``class_path`` from LightningCLI YAML. It either loads a local
+checkpoint (offline) or builds a small randomly initialised model deterministically from a seed,
+without touching the global RNG. Every built model exposes ``model.config.hidden_size`` (also via
+:func:`hidden_size_of`), including GPT-2 whose native name is ``n_embd``.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+ARCHITECTURES = ("llama", "gpt2")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map a dtype name (``"float32"``, ``"bfloat16"``, ...) to a ``torch.dtype``.
+
+    Args:
+        name: one of the keys of :data:`DTYPES`.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def hidden_size_of(model: transformers.PreTrainedModel) -> int:
+    """Return the width of the hidden states of ``model`` (causal LM or backbone)."""
+    return int(model.config.hidden_size)
+
+
+class HFCausalLM:
+    """Factory of a Hugging Face causal LM, from a local checkpoint or randomly initialised.
+
+    Args:
+        pretrained_path: local directory of a checkpoint to load with ``from_pretrained``
+            (offline; ``local_files_only``). When ``None`` a random model is built from the
+            remaining arguments.
+        architecture: ``"llama"`` or ``"gpt2"`` (random models only).
+        hidden_size: width of the hidden states (random models only).
+        num_layers: number of transformer blocks (random models only).
+        num_heads: number of attention heads (random models only).
+        intermediate_size: width of the MLP (random models only).
+        max_position_embeddings: longest supported sequence (random models only).
+        dtype: parameter dtype: ``"float32"``, ``"float64"``, ``"bfloat16"`` or ``"float16"``.
+        seed: seed of the random initialisation; the global RNG is left untouched.
+        attn_implementation: Hugging Face attention backend. ``"eager"`` (default) is
+            deterministic on CPU and masks left padding without NaNs.
+    """
+
+    def __init__(
+        self,
+        pretrained_path: str | None = None,
+        architecture: str = "llama",
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        intermediate_size: int = 128,
+        max_position_embeddings: int = 256,
+        dtype: str = "float32",
+        seed: int = 0,
+        attn_implementation: str = "eager",
+    ) -> None:
+        if pretrained_path is None and architecture not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {architecture!r}; known: {ARCHITECTURES}")
+        if hidden_size % num_heads != 0:
+            raise ValueError(f"hidden_size ({hidden_size}) not divisible by num_heads")
+        self.pretrained_path = pretrained_path
+        self.architecture = architecture
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.intermediate_size = intermediate_size
+        self.max_position_embeddings = max_position_embeddings
+        self.dtype = dtype
+        self.torch_dtype = resolve_dtype(dtype)
+        self.seed = seed
+        self.attn_implementation = attn_implementation
+
+    def make_config(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> transformers.PretrainedConfig:
+        """Return the config of the random model ``build`` would create.
+
+        Args:
+            vocab_size: number of token ids.
+            pad_token_id: padding id.
+            bos_token_id: beginning-of-sequence id.
+            eos_token_id: end-of-sequence id.
+
+        Returns:
+            A ``LlamaConfig`` or ``GPT2Config`` (dropout disabled).
+        """
+        ids = {
+            "pad_token_id": pad_token_id,
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+        }
+        if self.architecture == "llama":
+            return transformers.LlamaConfig(
+                vocab_size=vocab_size,
+                hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size,
+                num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads,
+                num_key_value_heads=self.num_heads,
+                max_position_embeddings=self.max_position_embeddings,
+                attention_dropout=0.0,
+                **ids,
+            )
+        return transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=self.hidden_size,
+            n_layer=self.num_layers,
+            n_head=self.num_heads,
+            n_inner=self.intermediate_size,
+            n_positions=self.max_position_embeddings,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            summary_first_dropout=0.0,
+            **ids,
+        )
+
+    def _random_causal_lm(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> transformers.PreTrainedModel:
+        cfg = self.make_config(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = transformers.AutoModelForCausalLM.from_config(
+                cfg, attn_implementation=self.attn_implementation
+            )
+        return model.to(self.torch_dtype)
+
+    def _finish(
+        self,
+        model: transformers.PreTrainedModel,
+        vocab_size: int,
+        pad_token_id: int,
+        bos_token_id: int,
+        eos_token_id: int,
+    ) -> transformers.PreTrainedModel:
+        """Make a loaded checkpoint agree with the tokenizer's size and special ids."""
+        if model.get_input_embeddings().num_embeddings < vocab_size:
+            model.resize_token_embeddings(vocab_size)
+        for name, value in (("pad", pad_token_id), ("bos", bos_token_id), ("eos", eos_token_id)):
+            if getattr(model.config, f"{name}_token_id", None) is None:
+                setattr(model.config, f"{name}_token_id", value)
+        return model
+
+    def build(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> transformers.PreTrainedModel:
+        """Build the causal LM (with its LM head).
+
+        Args:
+            vocab_size: number of token ids of the tokenizer.
+            pad_token_id: padding id.
+            bos_token_id: beginning-of-sequence id.
+            eos_token_id: end-of-sequence id.
+
+        Returns:
+            The model on CPU, in ``self.dtype``. Two calls with the same arguments return
+            models with identical weights.
+        """
+        if self.pretrained_path is None:
+            return self._random_causal_lm(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            self.pretrained_path,
+            dtype=self.torch_dtype,
+            local_files_only=True,
+            attn_implementation=self.attn_implementation,
+        )
+        return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)
+
+    def build_backbone(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> transformers.PreTrainedModel:
+        """Build the base model (no LM head), e.g. for a critic.
+
+        Its weights are identical to the body of the model :meth:`build` returns (for a random
+        model: the same seed; for a checkpoint: the same file).
+
+        Args:
+            vocab_size: number of token ids of the tokenizer.
+            pad_token_id: padding id.
+            bos_token_id: beginning-of-sequence id.
+            eos_token_id: end-of-sequence id.
+
+        Returns:
+            A ``LlamaModel`` / ``GPT2Model`` (or the checkpoint's ``AutoModel`` class) whose
+            output ``last_hidden_state`` has width ``model.config.hidden_size``.
+        """
+        if self.pretrained_path is None:
+            lm = self._random_causal_lm(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+            return lm.base_model
+        model = transformers.AutoModel.from_pretrained(
+            self.pretrained_path,
+            dtype=self.torch_dtype,
+            local_files_only=True,
+            attn_implementation=self.attn_implementation,
+        )
+        return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)

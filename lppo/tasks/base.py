@@ -1,0 +1,94 @@
+"""Task interface: procedurally generated prompts with a verifiable reward.
+
+A task produces :class:`Prompt` objects (the text fed to the model and the reference answer) and
+scores a decoded completion in ``[0, 1]``. Completions are the generated text *without* the
+end-of-sequence token; generation stops at that token, so a task's answers never contain it.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Prompt:
+    """One question of a task.
+
+    Attributes:
+        text: what the model is conditioned on (e.g. ``"12+7="``).
+        answer: the reference completion (e.g. ``"19"``), without any end-of-sequence token.
+        metadata: free-form task-specific fields (operands, transform name, ...).
+    """
+
+    text: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A procedurally generated, verifiable task (nothing is downloaded)."""
+
+    #: Short registry name of the task (see :func:`lppo.tasks.get_task`).
+    name: str = "task"
+
+    @abc.abstractmethod
+    def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
+        """Draw ``n`` prompts.
+
+        Args:
+            n: number of prompts to draw.
+            generator: source of randomness; the same generator state gives the same prompts.
+
+        Returns:
+            ``n`` prompts.
+        """
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """Score ``completion`` as an answer to ``prompt``.
+
+        Args:
+            prompt: the prompt that was answered.
+            completion: the decoded completion, without the end-of-sequence token.
+
+        Returns:
+            A score in ``[0, 1]``; exactly ``1.0`` for the reference answer.
+        """
+
+    @abc.abstractmethod
+    def vocabulary(self) -> str:
+        """Return every character prompts and answers of this task can contain.
+
+        Used to build a character-level tokenizer; the order of the characters is irrelevant.
+        """
+
+    def rewards(self, prompts: list[Prompt], completions: list[str]) -> list[float]:
+        """Score a batch of completions, ``completions[i]`` answering ``prompts[i]``.
+
+        Args:
+            prompts: one prompt per completion.
+            completions: decoded completions, without the end-of-sequence token.
+
+        Returns:
+            One score in ``[0, 1]`` per completion.
+
+        Raises:
+            ValueError: if the two lists differ in length.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        return [self.reward(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+
+def check_positive(name: str, value: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive integer.
+
+    Args:
+        name: argument name used in the message.
+        value: the value to check.
+    """
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

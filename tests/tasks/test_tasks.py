@@ -1,0 +1,136 @@
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lppo.tasks import TASKS, ArithmeticTask, CopyTask, Prompt, Task, get_task
+
+TASK_FACTORIES = [
+    CopyTask,
+    lambda: CopyTask(min_length=1, max_length=5, alphabet_size=36, transform="reverse"),
+    lambda: CopyTask(transform="copy", length_weight=0.0),
+    ArithmeticTask,
+    lambda: ArithmeticTask(min_value=0, max_value=999, operators="+-"),
+]
+
+
+@pytest.fixture(params=range(len(TASK_FACTORIES)), ids=lambda i: f"task{i}")
+def task(request) -> Task:
+    return TASK_FACTORIES[request.param]()
+
+
+def test_correct_answer_scores_one(task):
+    for p in task.sample_prompts(50, random.Random(0)):
+        assert task.reward(p, p.answer) == 1.0
+
+
+def test_deterministic_by_seed(task):
+    a = task.sample_prompts(20, random.Random(7))
+    b = task.sample_prompts(20, random.Random(7))
+    c = task.sample_prompts(20, random.Random(8))
+    assert a == b
+    assert a != c
+
+
+def test_vocabulary_covers_prompts_and_answers(task):
+    vocab = set(task.vocabulary())
+    for p in task.sample_prompts(200, random.Random(1)):
+        assert set(p.text) <= vocab
+        assert set(p.answer) <= vocab
+        assert p.answer
+
+
+@given(st.integers(0, 10_000), st.text(max_size=20))
+def test_rewards_in_unit_interval(seed, completion):
+    for make in TASK_FACTORIES:
+        task = make()
+        (p,) = task.sample_prompts(1, random.Random(seed))
+        r = task.reward(p, completion)
+        assert 0.0 <= r <= 1.0
+        if completion != p.answer:
+            assert r < 1.0
+
+
+def test_random_completions_get_partial_reward():
+    task = CopyTask()
+    rng = random.Random(0)
+    prompts = task.sample_prompts(200, rng)
+    alphabet = task.vocabulary()
+    completions = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8))) for _ in prompts]
+    rewards = task.rewards(prompts, completions)
+    assert 0.0 < sum(rewards) / len(rewards) < 0.7
+
+
+def test_copy_reward_shape():
+    task = CopyTask(transform="reverse", length_weight=0.3, length_tolerance=4)
+    p = task.make_prompt("abc")
+    assert p.text == "abc=" and p.answer == "cba"
+    assert task.reward(p, "cba") == 1.0
+    assert task.reward(p, "cbx") == pytest.approx(0.7 * 2 / 3 + 0.3)
+    assert task.reward(p, "cbaa") == pytest.approx(0.7 + 0.3 * 0.75)
+    assert task.reward(p, "") == pytest.approx(0.3 * 0.25)
+    assert task.reward(p, "cbaxxxx") == pytest.approx(0.7)
+    assert CopyTask(transform="first").make_prompt("ab7c").answer == "a"
+    assert CopyTask(transform="repeat_first").make_prompt("xy").answer == "xx"
+
+
+def test_arithmetic_reward_shape():
+    task = ArithmeticTask(partial_weight=0.5)
+    p = task.make_prompt(12, "+", 7)
+    assert p.text == "12+7=" and p.answer == "19"
+    assert task.reward(p, "19") == 1.0
+    assert task.reward(p, "18") == pytest.approx(0.25)
+    assert task.reward(p, "9") == pytest.approx(0.25)
+    assert task.reward(p, "119") == pytest.approx(0.5 * 2 / 3)
+    assert task.reward(p, "") == 0.0
+    assert task.reward(p, "ab") == 0.0
+    neg = ArithmeticTask(operators="-").make_prompt(3, "-", 10)
+    assert neg.answer == "-7"
+    assert ArithmeticTask(max_value=99, operators="+-").max_answer_length() == 3
+
+
+def test_rewards_batch_length_mismatch():
+    task = CopyTask()
+    with pytest.raises(ValueError):
+        task.rewards([Prompt("a=", "a")], [])
+
+
+def test_registry():
+    assert get_task("copy") is CopyTask
+    assert get_task("arithmetic") is ArithmeticTask
+    assert set(TASKS) == {"copy", "arithmetic"}
+    with pytest.raises(ValueError, match="arithmetic") as info:
+        get_task("nope")
+    assert "copy" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_length": 0},
+        {"min_length": 3, "max_length": 2},
+        {"alphabet_size": 0},
+        {"alphabet_size": 37},
+        {"transform": "bogus"},
+        {"length_weight": 1.5},
+    ],
+)
+def test_copy_rejects_bad_args(kwargs):
+    with pytest.raises(ValueError):
+        CopyTask(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_value": -1},
+        {"max_value": -1},
+        {"operators": ""},
+        {"operators": "*"},
+        {"partial_weight": 1.0},
+    ],
+)
+def test_arithmetic_rejects_bad_args(kwargs):
+    with pytest.raises(ValueError):
+        ArithmeticTask(**kwargs)

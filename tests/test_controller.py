@@ -1,0 +1,193 @@
+"""Iteration-level semantics: retention, release exactly once, invalid rows, failure cleanup."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _builders import random_rows, tiny_backbone, tiny_lm
+
+from lppo.algorithms import advantages_and_returns, kl_penalty, token_rewards
+from lppo.chunks import read_chunk
+from lppo.config import PPOConfig
+from lppo.controller import IterationError, PPOController
+from lppo.data import ReplayDataModule
+from lppo.hooks import PPOCallback
+from lppo.modules import ActorModule, CriticModule
+from lppo.planner import NoValidRows
+from lppo.replay import MemoryReplayStore
+from lppo.types import (
+    ADVANTAGES,
+    INPUT_IDS,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD,
+    VALUES,
+    Rollout,
+)
+
+
+class CountingStore(MemoryReplayStore):
+    def __init__(self):
+        super().__init__()
+        self.release_calls: list[tuple[int, ...]] = []
+
+    def release(self, ids):
+        self.release_calls.append(tuple(ids))
+        super().release(ids)
+
+
+def make_rollout(n: int, seed: int, invalid: int = 0) -> Rollout:
+    cols = random_rows(n, seed, invalid_rows=invalid)
+    return Rollout(
+        input_ids=cols[INPUT_IDS],
+        response_mask=cols[RESPONSE_MASK],
+        gen_logprobs=[torch.zeros(len(t)) for t in cols[INPUT_IDS]],
+        reward=torch.stack(cols[REWARD]).float(),
+        prompt_index=torch.arange(n),
+    )
+
+
+def make_controller(store=None, budget=30, drop_budget=0, callbacks=(), **cfg):
+    data = ReplayDataModule(max_tokens_per_chunk=budget, store=store, drop_budget=drop_budget)
+    actor = ActorModule(tiny_lm(), lr=1e-3)
+    critic = CriticModule(tiny_backbone(), lr=1e-3)
+    reference = None
+    if cfg.get("kl_coef", 0.0) > 0:
+        reference = ActorModule(tiny_lm(seed=7))
+    config = PPOConfig(**cfg)
+    return PPOController(actor, critic, data, config, reference=reference, callbacks=callbacks)
+
+
+class Probe(PPOCallback):
+    """Records what the store holds at every epoch start and the columns before training."""
+
+    def __init__(self):
+        self.epochs: list[tuple[str, int, int, int]] = []
+        self.snapshot = None
+
+    def on_phase_epoch_start(self, ctx):
+        store = ctx.controller.data.store
+        claimed = sum(1 for i in ctx.row_ids if i in store.claimed())
+        self.epochs.append((ctx.phase, ctx.epoch, len(store), claimed))
+        if self.snapshot is None:
+            names = [REWARD, VALUES, OLD_LOGPROBS, ADVANTAGES, RETURNS]
+            if store.has(REF_LOGPROBS, ctx.row_ids):
+                names.append(REF_LOGPROBS)
+            self.snapshot = read_chunk(store, ctx.row_ids, names)
+
+
+def test_rows_retained_through_every_epoch_and_released_once():
+    store, probe = CountingStore(), Probe()
+    ctl = make_controller(
+        store, callbacks=[probe], critic_epochs=3, actor_epochs=2, actor_minibatches=2
+    )
+    result = ctl.run_iteration(make_rollout(6, 0), iteration=0)
+    assert [(p, e) for p, e, _, _ in probe.epochs] == [
+        ("critic", 0),
+        ("critic", 1),
+        ("critic", 2),
+        ("actor", 0),
+        ("actor", 1),
+    ]
+    assert all(live == 6 and claimed == 6 for _, _, live, claimed in probe.epochs)
+    assert store.release_calls == [tuple(range(6))]
+    assert len(store) == 0 and store.claimed() == {}
+    assert len(result.phase_steps("critic")) == 3
+    assert len(result.phase_steps("actor")) == 4
+    assert all(s.stepped for s in result.steps)
+
+
+def test_invalid_rows_never_trained_but_counted_and_released():
+    store = CountingStore()
+    ctl = make_controller(store, drop_budget=2)
+    result = ctl.run_iteration(make_rollout(5, 1, invalid=2), iteration=0)
+    assert result.rollout["invalid_rows"] == 2
+    assert result.steps[0].valid_rows == 3
+    assert store.release_calls == [tuple(range(5))]
+
+
+def test_non_finite_reward_makes_row_invalid():
+    rollout = make_rollout(4, 2)
+    rollout.reward[1] = float("nan")
+    ctl = make_controller(drop_budget=1)
+    result = ctl.run_iteration(rollout, iteration=0)
+    assert result.rollout["invalid_rows"] == 1
+    assert result.steps[0].valid_rows == 3
+
+
+def test_no_valid_row_fails_before_any_optimizer_step_and_releases():
+    store = CountingStore()
+    ctl = make_controller(store, drop_budget=10)
+    before = copy.deepcopy(ctl.actor.state_dict()), copy.deepcopy(ctl.critic.state_dict())
+    with pytest.raises(IterationError, match="iteration 0, phase score") as info:
+        ctl.run_iteration(make_rollout(3, 3, invalid=3), iteration=0)
+    assert isinstance(info.value.__cause__, NoValidRows)
+    assert ctl.actor.optimizer is None and ctl.critic.optimizer is None
+    for module, state in zip((ctl.actor, ctl.critic), before, strict=True):
+        for k, v in module.state_dict().items():
+            assert torch.equal(v, state[k])
+    assert store.release_calls == [(0, 1, 2)]
+    assert len(store) == 0
+
+
+def test_failure_mid_phase_aborts_step_releases_rows_and_names_location():
+    class Boom(PPOCallback):
+        def on_chunk_end(self, ctx, result):
+            if ctx.phase == "critic" and ctx.epoch == 1:
+                raise ValueError("boom")
+
+    store = CountingStore()
+    ctl = make_controller(store, callbacks=[Boom()], critic_epochs=2)
+    actor_before = copy.deepcopy(ctl.actor.state_dict())
+    with pytest.raises(IterationError, match=r"iteration 4, phase critic, epoch 1, chunk 0: "):
+        ctl.run_iteration(make_rollout(4, 4), iteration=4)
+    assert not ctl.critic.step_open
+    assert all(p.grad is None for p in ctl.critic.parameters())
+    # One critic step (epoch 0) was taken; the actor never trained.
+    assert ctl.critic.optimizer is not None
+    assert ctl.actor.optimizer is None
+    for k, v in ctl.actor.state_dict().items():
+        assert torch.equal(v, actor_before[k])
+    assert store.release_calls == [(0, 1, 2, 3)]
+    # The controller is usable again afterwards.
+    result = ctl.__class__(ctl.actor, ctl.critic, ctl.data).run_iteration(make_rollout(4, 5), 5)
+    assert len(result.steps) == 2
+
+
+def test_kl_penalty_is_applied_and_whitening_is_global():
+    probe = Probe()
+    ctl = make_controller(budget=14, callbacks=[probe], kl_coef=0.3, kl_kind="k3", lam=0.9)
+    result = ctl.run_iteration(make_rollout(7, 6), iteration=0)
+    snap = probe.snapshot
+    mask = snap.response_mask
+    kl = kl_penalty(snap.old_logprobs, snap.ref_logprobs, "k3")
+    assert result.rollout["kl_mean"] == pytest.approx(float(kl[mask].mean()), rel=1e-9)
+    rewards = token_rewards(snap.reward, mask, kl, 0.3)
+    adv, ret = advantages_and_returns(rewards, snap.values, mask, 1.0, 0.9)
+    torch.testing.assert_close(snap.returns, ret, rtol=1e-9, atol=1e-12)
+    white = (adv[mask] - adv[mask].mean()) / (adv[mask].var(unbiased=False) + 1e-8).sqrt()
+    torch.testing.assert_close(snap.advantages[mask], white, rtol=1e-7, atol=1e-9)
+    # Without the penalty the targets differ: the KL really reached the rewards.
+    no_kl = advantages_and_returns(token_rewards(snap.reward, mask), snap.values, mask, 1.0, 0.9)
+    assert not torch.allclose(no_kl[1][mask], snap.returns[mask])
+
+
+def test_critic_warmup_skips_actor():
+    ctl = make_controller(critic_warmup_iterations=2)
+    result = ctl.run_iteration(make_rollout(4, 7), iteration=1)
+    assert [s.role for s in result.steps] == ["critic"]
+    result = ctl.run_iteration(make_rollout(4, 8), iteration=2)
+    assert [s.role for s in result.steps] == ["critic", "actor"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("critic_epochs", 0), ("actor_epochs", 0), ("actor_minibatches", 0), ("lam", 1.5)],
+)
+def test_bad_config_names_the_key(key, value):
+    with pytest.raises(ValueError, match=f"ppo.{key}={value}"):
+        make_controller(**{key: value})
