@@ -231,7 +231,10 @@ class SumStats:
             flat = torch.stack(
                 [table.get(n, torch.tensor(fill, dtype=torch.float64)) for n in names]
             )
+            if dist.get_backend() == "nccl":
+                flat = flat.cuda()
             dist.all_reduce(flat, op=op)
+            flat = flat.cpu()
             for n, v in zip(names, flat.unbind(0), strict=True):
                 table[n] = v.clone()
 

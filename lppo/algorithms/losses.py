@@ -124,11 +124,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Returns:
         ``float[B, T]``.
     """
-    logp = torch.log_softmax(logits, dim=-1)
+    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy ``−Σ_v p_v log p_v`` from normalized log-probabilities ``float[..., V]``.
+
+    ``0 · log 0 = 0``: entries at −inf never turn the entropy (or its gradient) NaN.
+    """
     probs = logp.exp()
-    # 0 · log 0 = 0: entries masked to −inf must not turn the entropy (or its gradient) NaN.
-    logp = logp.clamp_min(torch.finfo(logp.dtype).min)
-    return -(probs * logp).sum(dim=-1)
+    return -(probs * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(dim=-1)
 
 
 def token_weights(

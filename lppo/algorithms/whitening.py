@@ -34,7 +34,10 @@ class Moments:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         flat = torch.tensor([self.count, self.total, self.total_sq], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            flat = flat.cuda()
         dist.all_reduce(flat)
+        flat = flat.cpu()
         self.count, self.total, self.total_sq = (float(v) for v in flat)
 
     @property

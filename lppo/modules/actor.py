@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lppo.algorithms.losses import LossAggregation, policy_loss
+from lppo.algorithms.losses import LossAggregation, entropy_from_logprobs, policy_loss
 from lppo.modules.lifecycle import OptimizerFactory, PPOModule, SchedulerFactory
 from lppo.types import Chunk, SumStats
 
@@ -150,7 +150,7 @@ class ActorModule(PPOModule):
             dual_clip=self.dual_clip,
         )
         mask = chunk.response_mask
-        entropy = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+        entropy = torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
         loss = terms.loss
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy

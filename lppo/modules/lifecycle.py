@@ -8,6 +8,7 @@ are summed across data-parallel ranks once, in ``finish``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ class PPOModule(nn.Module):
             raise ValueError(f"{self.role}.lr={lr} must be > 0.")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"{self.role}.max_grad_norm={max_grad_norm} must be > 0 or null.")
+        if warmup_steps < 0:
+            raise ValueError(f"{self.role}.warmup_steps={warmup_steps} must be >= 0.")
         if loss_aggregation not in ("token_mean", "seq_mean_token_mean"):
             raise ValueError(
                 f"{self.role}.loss_aggregation={loss_aggregation!r}; use 'token_mean' or "
@@ -232,8 +235,13 @@ class PPOModule(nn.Module):
         lr = float(self.optimizer.param_groups[0]["lr"])
         if stepped:
             if self.max_grad_norm is not None:
+                # The clip coefficient in the grads' precision (at least float32): a default
+                # float32 norm would round the coefficient of float64 gradients to ~1e-7.
+                norm_dtype = functools.reduce(
+                    torch.promote_types, (g.dtype for g in grads), torch.float32
+                )
                 torch.nn.utils.clip_grads_with_norm_(
-                    params, self.max_grad_norm, torch.tensor(grad_norm)
+                    params, self.max_grad_norm, torch.tensor(grad_norm, dtype=norm_dtype)
                 )
             self.optimizer.step()
             if self.scheduler is not None:
@@ -284,9 +292,23 @@ class PPOModule(nn.Module):
 
     @staticmethod
     def _sync_gradients(params: list[nn.Parameter]) -> None:
-        """Sum gradients over data-parallel ranks (each rank holds its share of the step)."""
+        """Sum gradients over data-parallel ranks (each rank holds its share of the step).
+
+        A parameter with no gradient on any rank keeps ``grad = None`` (as with one process,
+        so optimizers skip it); one with a gradient on some rank gets zeros where it has none
+        (e.g. a rank holding only padding chunks).
+        """
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        if not params:
+            return
+        present = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
+        )
+        dist.all_reduce(present)
+        params = [p for p, n in zip(params, present.tolist(), strict=True) if n > 0]
+        if not params:
             return
         for p in params:
             if p.grad is None:

@@ -96,6 +96,11 @@ class ArithmeticTask(Task):
         """Digits, the operators and ``=`` (``-`` also signs negative results)."""
         return "0123456789" + self.operators + "="
 
+    def max_prompt_length(self) -> int:
+        """Longest prompt, ``"<a><op><b>="``, in characters."""
+        width = max(len(str(self.min_value)), len(str(self.max_value)))
+        return 2 * width + 2
+
     def max_answer_length(self) -> int:
         """Longest possible reference answer, in characters."""
         hi = self.max_value + self.max_value if "+" in self.operators else self.max_value

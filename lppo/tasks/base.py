@@ -65,6 +65,14 @@ class Task(abc.ABC):
         Used to build a character-level tokenizer; the order of the characters is irrelevant.
         """
 
+    def max_prompt_length(self) -> int:
+        """Longest prompt text the task can produce, in characters.
+
+        The default samples 1024 prompts with a fixed seed; tasks that know the bound override
+        it. Used to reject a chunk token budget below the longest possible row at setup.
+        """
+        return max(len(p.text) for p in self.sample_prompts(1024, random.Random(0)))
+
     def rewards(self, prompts: list[Prompt], completions: list[str]) -> list[float]:
         """Score a batch of completions, ``completions[i]`` answering ``prompts[i]``.
 

@@ -130,6 +130,10 @@ class CopyTask(Task):
         """Alphabet plus the separator."""
         return self.alphabet + SEPARATOR
 
+    def max_prompt_length(self) -> int:
+        """Longest prompt, the input string plus the separator, in characters."""
+        return self.max_length + len(SEPARATOR)
+
     def max_answer_length(self) -> int:
         """Longest possible reference answer, in characters."""
         return len(TRANSFORMS[self.transform]("a" * self.max_length))

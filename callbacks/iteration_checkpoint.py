@@ -1,0 +1,47 @@
+"""Checkpoints at every RL-iteration boundary (``last.ckpt`` for ``--ckpt_path last``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lppo.loop import allow_checkpoint_without_new_step
+
+
+class IterationCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` saving after every iteration, even one without an actor step.
+
+    Checkpoints are only taken between iterations (the replay is empty and no step is open),
+    so a resumed run restarts the interrupted iteration from its beginning.
+
+    Args:
+        dirpath: directory of the checkpoints (default ``<run dir>/checkpoints``).
+        filename: checkpoint name pattern (``{epoch}`` is the iteration index).
+        save_top_k: how many iteration checkpoints to keep besides ``last.ckpt`` (-1: all).
+        every_n_iterations: save every N iterations.
+        save_last: also write ``last.ckpt``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "iteration-{epoch:04d}",
+        save_top_k: int = 1,
+        every_n_iterations: int = 1,
+        save_last: bool = True,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            save_top_k=save_top_k,
+            every_n_epochs=every_n_iterations,
+            save_last=save_last,
+            save_on_train_epoch_end=True,
+            auto_insert_metric_name=False,
+        )
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """Save at the iteration boundary whether or not ``global_step`` moved."""
+        allow_checkpoint_without_new_step(self)
+        super().on_train_epoch_end(trainer, pl_module)

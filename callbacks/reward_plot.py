@@ -1,0 +1,129 @@
+"""Draws the reward curve (mean ± std per iteration) to a PNG at the end of training."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lppo.hooks import PPOCallback
+
+
+def run_dir(trainer: pl.Trainer) -> str:
+    """The run directory: ``trainer.default_root_dir`` (falls back to ``trainer.log_dir``)."""
+    root = getattr(trainer, "default_root_dir", None)
+    if root:
+        return str(root)
+    return str(trainer.log_dir or os.getcwd())
+
+
+class RewardCurve(PPOCallback):
+    """Collects ``rollout/reward_mean`` ± ``reward_std`` per iteration and plots them.
+
+    Points are read from ``pl_module.last_result`` at every ``on_train_epoch_end`` and kept in
+    :meth:`state_dict`, so a resumed run plots the whole curve. At ``on_train_end`` the global
+    rank zero writes a PNG (matplotlib, Agg canvas) to ``<dirpath>/<filename>``.
+
+    Args:
+        filename: name of the PNG file.
+        dirpath: folder of the PNG; ``None`` means the run directory
+            (``trainer.default_root_dir``).
+        title: plot title.
+    """
+
+    def __init__(
+        self,
+        filename: str = "reward_curve.png",
+        dirpath: str | None = None,
+        title: str = "Reward per iteration",
+    ) -> None:
+        super().__init__()
+        self.filename = filename
+        self.dirpath = dirpath
+        self.title = title
+        self.points: list[tuple[int, float, float]] = []
+        self._path: str | None = None
+
+    @property
+    def path(self) -> str | None:
+        """Where the PNG is (or will be) written; ``None`` before the trainer is known."""
+        return self._path
+
+    def resolve_path(self, trainer: pl.Trainer) -> str:
+        """Compute (and remember) the PNG path for ``trainer``."""
+        folder = self.dirpath if self.dirpath is not None else run_dir(trainer)
+        self._path = os.path.join(folder, self.filename)
+        return self._path
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve :attr:`path` early so other callbacks can report it."""
+        self.resolve_path(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Record the reward of the iteration that just finished."""
+        result = getattr(pl_module, "last_result", None)
+        if result is None:
+            return
+        point = (
+            int(result.iteration),
+            float(result.rollout.get("reward_mean", math.nan)),
+            float(result.rollout.get("reward_std", math.nan)),
+        )
+        self.points = [p for p in self.points if p[0] != point[0]]
+        self.points.append(point)
+        self.points.sort(key=lambda p: p[0])
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the PNG (global rank zero only)."""
+        path = self.resolve_path(trainer)
+        if trainer.is_global_zero:
+            self.write(path)
+
+    # ------------------------------------------------------------------ drawing
+    def write(self, path: str | None = None) -> str:
+        """Draw the collected points to ``path`` (default :attr:`path`) and return it."""
+        path = path if path is not None else self._path
+        if path is None:
+            raise ValueError("RewardCurve.write needs a path before the trainer is known.")
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.4, 4.0), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        xs = [p[0] for p in self.points]
+        means = [p[1] for p in self.points]
+        stds = [p[2] if math.isfinite(p[2]) else 0.0 for p in self.points]
+        if xs:
+            ax.fill_between(
+                xs,
+                [m - s for m, s in zip(means, stds, strict=True)],
+                [m + s for m, s in zip(means, stds, strict=True)],
+                alpha=0.25,
+                label="± std",
+            )
+            ax.plot(xs, means, marker="o" if len(xs) < 50 else None, label="reward mean")
+            ax.legend(loc="best")
+        else:
+            ax.text(0.5, 0.5, "no iterations", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("reward")
+        ax.set_title(self.title)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, format="png")
+        self._path = path
+        return path
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The collected ``(iteration, reward_mean, reward_std)`` points."""
+        return {"points": [list(p) for p in self.points]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.points = [(int(i), float(m), float(s)) for i, m, s in state_dict.get("points", [])]

@@ -1,0 +1,181 @@
+"""Prints a closing summary of the run and writes it to ``<run dir>/summary.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+from lppo.callbacks.reward_plot import RewardCurve, run_dir
+
+from lppo.hooks import PPOCallback
+
+
+def _finite_mean(values: list[float]) -> float | None:
+    vals = [v for v in values if math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _json_float(value: float | None) -> float | None:
+    """``None`` for missing / non-finite values (JSON has no NaN)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+class RunSummary(PPOCallback):
+    """At ``on_train_end`` prints a closing summary (global rank zero) and saves it as JSON.
+
+    The summary holds: iterations run, reward of the first and last iteration, mean reward of
+    the first and last ``window`` iterations, wall time (accumulated over resumes), and where
+    the outputs are: each logger's folder and ``metrics.csv`` (for a
+    :class:`~lightning.pytorch.loggers.CSVLogger`), the :class:`RewardCurve` PNG, and the
+    checkpoint folder / best and last checkpoints of ``trainer.checkpoint_callback``.
+
+    Rewards are collected from ``pl_module.last_result`` at each ``on_train_epoch_end`` and kept
+    in :meth:`state_dict`.
+
+    Args:
+        filename: name of the JSON file written to the run directory.
+        window: number of iterations averaged for the "first" and "last" reward means.
+        print_summary: print the summary to stdout (the JSON file is written either way).
+    """
+
+    def __init__(
+        self, filename: str = "summary.json", window: int = 3, print_summary: bool = True
+    ) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"RunSummary.window={window} must be >= 1.")
+        self.filename = filename
+        self.window = window
+        self.print_summary = print_summary
+        self.rewards: list[tuple[int, float]] = []
+        self.elapsed_before = 0.0
+        self._start: float | None = None
+        self.summary: dict[str, Any] | None = None
+        self.path: str | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the wall clock."""
+        self._start = time.monotonic()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Record the reward of the iteration that just finished."""
+        result = getattr(pl_module, "last_result", None)
+        if result is None:
+            return
+        iteration = int(result.iteration)
+        reward = float(result.rollout.get("reward_mean", math.nan))
+        self.rewards = [r for r in self.rewards if r[0] != iteration]
+        self.rewards.append((iteration, reward))
+        self.rewards.sort(key=lambda r: r[0])
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the summary; rank zero writes ``summary.json`` and prints it."""
+        self.summary = self.build(trainer)
+        if not trainer.is_global_zero:
+            return
+        self.path = os.path.join(run_dir(trainer), self.filename)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "w") as f:
+            json.dump(self.summary, f, indent=2)
+        if self.print_summary:
+            print(self.format(self.summary), flush=True)
+
+    # ------------------------------------------------------------------ content
+    def wall_seconds(self) -> float:
+        """Training wall time so far, including the time before a resume."""
+        now = time.monotonic() - self._start if self._start is not None else 0.0
+        return self.elapsed_before + now
+
+    def build(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The summary as a JSON-ready dict."""
+        rewards = [r for _, r in self.rewards]
+        first = rewards[0] if rewards else None
+        last = rewards[-1] if rewards else None
+        loggers = []
+        metrics_csv = None
+        for logger in trainer.loggers:
+            log_dir = getattr(logger, "log_dir", None) or logger.save_dir
+            entry: dict[str, Any] = {"type": type(logger).__name__, "log_dir": log_dir}
+            if isinstance(logger, CSVLogger):
+                entry["metrics_csv"] = os.path.join(logger.log_dir, "metrics.csv")
+                metrics_csv = metrics_csv or entry["metrics_csv"]
+            loggers.append(entry)
+        curve = next((cb for cb in trainer.callbacks if isinstance(cb, RewardCurve)), None)
+        curve_path = None
+        if curve is not None:
+            curve_path = curve.path or curve.resolve_path(trainer)
+        ckpt = trainer.checkpoint_callback
+        checkpoints = None
+        if ckpt is not None:
+            checkpoints = {
+                "dirpath": getattr(ckpt, "dirpath", None),
+                "best": getattr(ckpt, "best_model_path", None) or None,
+                "last": getattr(ckpt, "last_model_path", None) or None,
+            }
+        return {
+            "iterations": len(self.rewards),
+            "max_iterations": trainer.max_epochs,
+            "first_iteration": self.rewards[0][0] if self.rewards else None,
+            "last_iteration": self.rewards[-1][0] if self.rewards else None,
+            "reward_first": _json_float(first),
+            "reward_last": _json_float(last),
+            "reward_first_mean": _json_float(_finite_mean(rewards[: self.window])),
+            "reward_last_mean": _json_float(_finite_mean(rewards[-self.window :])),
+            "window": self.window,
+            "wall_seconds": self.wall_seconds(),
+            "run_dir": run_dir(trainer),
+            "metrics_csv": metrics_csv,
+            "loggers": loggers,
+            "reward_curve": curve_path,
+            "checkpoints": checkpoints,
+        }
+
+    @staticmethod
+    def format(summary: dict[str, Any]) -> str:
+        """Human-readable, multi-line rendering of :meth:`build`'s dict."""
+
+        def num(v: float | None) -> str:
+            return "n/a" if v is None else f"{v:.4f}"
+
+        w = summary["window"]
+        lines = [
+            "lppo run summary",
+            f"  iterations      : {summary['iterations']} (max {summary['max_iterations']})",
+            f"  reward          : {num(summary['reward_first'])} → {num(summary['reward_last'])}",
+            f"  reward (mean of first/last {w}): {num(summary['reward_first_mean'])} → "
+            f"{num(summary['reward_last_mean'])}",
+            f"  wall time       : {summary['wall_seconds']:.1f} s",
+            f"  run dir         : {summary['run_dir']}",
+        ]
+        if summary["metrics_csv"]:
+            lines.append(f"  metrics.csv     : {summary['metrics_csv']}")
+        for entry in summary["loggers"]:
+            if "metrics_csv" not in entry:
+                lines.append(f"  {entry['type']:<16}: {entry['log_dir']}")
+        if summary["reward_curve"]:
+            lines.append(f"  reward curve    : {summary['reward_curve']}")
+        ckpt = summary["checkpoints"]
+        if ckpt:
+            lines.append(f"  checkpoints     : {ckpt['dirpath']}")
+            if ckpt["best"]:
+                lines.append(f"  best checkpoint : {ckpt['best']}")
+            if ckpt["last"]:
+                lines.append(f"  last checkpoint : {ckpt['last']}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Collected rewards and wall time so far."""
+        return {"rewards": [list(r) for r in self.rewards], "elapsed": self.wall_seconds()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the wall clock continues from the saved time."""
+        self.rewards = [(int(i), float(r)) for i, r in state_dict.get("rewards", [])]
+        self.elapsed_before = float(state_dict.get("elapsed", 0.0))
+        self._start = None

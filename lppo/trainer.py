@@ -1,0 +1,79 @@
+"""``PPOTrainer``: a Lightning ``Trainer`` wired for PPO (custom loop, defaults, callbacks)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+from lppo.loop import install
+
+
+def default_callbacks() -> list[Callback]:
+    """The callbacks every PPO run gets unless one of the same type is given."""
+    from lppo.callbacks import (
+        AbortCleanup,
+        IterationCheckpoint,
+        OptimizerStep,
+        PPOMetricsLogger,
+        PPOProgress,
+        RewardCurve,
+        RowRetention,
+        RunSummary,
+    )
+
+    return [
+        OptimizerStep(),
+        RowRetention(),
+        AbortCleanup(),
+        PPOMetricsLogger(),
+        RewardCurve(),
+        PPOProgress(),
+        RunSummary(),
+        IterationCheckpoint(),
+    ]
+
+
+_DEFAULTS: dict[str, Any] = {
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+    "use_distributed_sampler": False,
+}
+
+
+class PPOTrainer(Trainer):
+    """A ``Trainer`` whose epoch is one RL iteration (``max_epochs`` = iterations).
+
+    Differences from a plain ``Trainer``: the fit loop is :class:`lppo.loop.PPOFitLoop`;
+    lppo's built-in callbacks are added when absent; the default logger writes
+    ``metrics.csv`` straight into ``default_root_dir``; Lightning's batch progress bar, model
+    summary, sanity check and validation are off. ``global_step`` counts actor optimizer steps.
+
+    Args:
+        *args: passed to :class:`lightning.pytorch.Trainer`.
+        **kwargs: passed to :class:`lightning.pytorch.Trainer`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        root = kwargs.get("default_root_dir") or os.path.join("runs", "lppo")
+        kwargs["default_root_dir"] = root
+        logger = kwargs.get("logger", True)
+        if logger is True or logger is None:
+            kwargs["logger"] = CSVLogger(root, name="", version="")
+        elif isinstance(logger, Logger):
+            kwargs["logger"] = logger
+        callbacks = list(kwargs.get("callbacks") or [])
+        for cb in default_callbacks():
+            if not any(isinstance(c, type(cb)) for c in callbacks):
+                callbacks.append(cb)
+        kwargs["callbacks"] = callbacks
+        for key, value in _DEFAULTS.items():
+            if kwargs.get(key) is None:
+                kwargs[key] = value
+        super().__init__(*args, **kwargs)
+        install(self)

@@ -1,0 +1,143 @@
+"""One rank of the data-parallel parity check (standalone script, also imported by the test).
+
+Run as ``python dp_parity_worker.py --rank R --world-size W --init-file F --out O --role R``:
+joins a gloo process group through ``file://F``, trains one optimizer step of the tiny float64
+actor or critic on this rank's share of the rows, and rank 0 ``torch.save``s the step's stats,
+metrics and the parameters before and after the step to ``O``.
+
+The optimizer is plain SGD with ``lr=1`` and no clipping, so ``before - after`` is exactly the
+step's (all-reduced) gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+from _builders import filled_store, random_rows, tiny_backbone, tiny_lm  # noqa: E402
+
+from lppo.chunks import iter_chunks  # noqa: E402
+from lppo.modules import ActorModule, CriticModule  # noqa: E402
+from lppo.planner import ChunkPlanner  # noqa: E402
+from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES  # noqa: E402
+
+N_ROWS = 5
+DATA_SEED = 11
+PLAN_SEED = 3
+SGD_LR = 1.0
+
+
+def rows() -> dict[str, list[torch.Tensor]]:
+    """The step's rows: identical in every process (no row shorter than half the longest)."""
+    return random_rows(N_ROWS, DATA_SEED, min_len=8, max_len=14)
+
+
+def budget() -> int:
+    """A chunk budget of exactly the longest row: one row per chunk, so 5 chunks over 2 ranks."""
+    return max(len(t) for t in rows()["input_ids"])
+
+
+def plan_step(world_size: int, rank: int):
+    """The (single) step plan of ``rank`` out of ``world_size``."""
+    store = filled_store(rows())
+    planner = ChunkPlanner(budget(), world_size=world_size, rank=rank, seed=PLAN_SEED)
+    [step] = planner.plan(store.meta(), epoch=0, minibatches=1).steps
+    return store, step
+
+
+class GradNames:
+    """Mixin recording which parameters hold a gradient when the optimizer is about to step."""
+
+    def on_before_step(self, grad_norm: float) -> None:
+        self.grad_names = sorted(n for n, p in self.named_parameters() if p.grad is not None)
+
+
+class Actor(GradNames, ActorModule):
+    pass
+
+
+class Critic(GradNames, CriticModule):
+    pass
+
+
+def build_module(role: str):
+    """A fresh tiny float64 module with an SGD optimizer and no clipping.
+
+    It also holds a trainable parameter the loss never uses (like an untied LM head under a
+    critic): it must stay gradient-free, as in one process, so optimizers skip it.
+    """
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=SGD_LR)
+
+    if role == "actor":
+        module = Actor(
+            tiny_lm(seed=0), clip_high=0.28, entropy_coef=0.01, max_grad_norm=None, optimizer=sgd
+        )
+        names = [OLD_LOGPROBS, ADVANTAGES]
+    elif role == "critic":
+        module = Critic(tiny_backbone(seed=0), value_clip=0.2, max_grad_norm=None, optimizer=sgd)
+        names = [VALUES, RETURNS]
+    else:
+        raise ValueError(f"unknown role {role!r}")
+    module.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    return module, names
+
+
+def run_step(role: str, world_size: int, rank: int) -> dict:
+    """Train one step of ``role`` on this rank's chunks; return stats, metrics and parameters."""
+    module, names = build_module(role)
+    store, step = plan_step(world_size, rank)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    module.begin(step)
+    for chunk in iter_chunks(store, step, names):
+        module.train_chunk(chunk)
+    stats = module.finish()
+    after = {n: p.detach().clone() for n, p in module.named_parameters()}
+    fields = dataclasses.asdict(stats)
+    metrics = fields.pop("metrics")
+    return {
+        "stats": fields,
+        "metrics": metrics,
+        "before": before,
+        "after": after,
+        "grad_names": module.grad_names,
+        "chunks": step.chunks,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-file", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--role", choices=("actor", "critic"), required=True)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        backend="gloo",
+        init_method=f"file://{args.init_file.resolve()}",
+        rank=args.rank,
+        world_size=args.world_size,
+    )
+    try:
+        result = run_step(args.role, args.world_size, args.rank)
+        torch.distributed.barrier()
+        if args.rank == 0:
+            torch.save(result, args.out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
