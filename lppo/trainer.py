@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
 
+from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
 from lppo.loop import install
+
+# The frozen reference policy is in eval mode on purpose.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 def default_callbacks() -> list[Callback]:
@@ -64,13 +69,18 @@ class PPOTrainer(Trainer):
         kwargs["default_root_dir"] = root
         logger = kwargs.get("logger", True)
         if logger is True or logger is None:
-            kwargs["logger"] = CSVLogger(root, name="", version="")
+            # One version folder per launch: a resumed run never overwrites earlier metrics.
+            kwargs["logger"] = CSVLogger(root, name="")
         elif isinstance(logger, Logger):
             kwargs["logger"] = logger
         callbacks = list(kwargs.get("callbacks") or [])
         for cb in default_callbacks():
             if not any(isinstance(c, type(cb)) for c in callbacks):
                 callbacks.append(cb)
+        for cb in callbacks:
+            if isinstance(cb, IterationCheckpoint) and cb.dirpath is None:
+                # Fixed folder (not per logger version) so `--ckpt_path last` finds it.
+                cb.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))
         kwargs["callbacks"] = callbacks
         for key, value in _DEFAULTS.items():
             if kwargs.get(key) is None:

@@ -1,0 +1,90 @@
+"""Iteration-boundary checkpoints: a resumed run ends exactly where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lppo.config import PPOConfig
+from lppo.controller import IterationError
+from lppo.data import ReplayDataModule
+from lppo.hooks import PPOCallback
+from lppo.models import HFCausalLM
+from lppo.modules import ActorModule, CriticModule
+from lppo.system import PPOSystem, RolloutSettings
+from lppo.tasks import CopyTask
+from lppo.trainer import PPOTrainer
+
+pytestmark = pytest.mark.slow
+
+
+def spec(seed: int) -> HFCausalLM:
+    return HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed)
+
+
+def fit(root, iterations, ckpt_path=None, callbacks=(), critic_warmup=0):
+    system = PPOSystem(
+        actor=ActorModule(spec(0), lr=3e-3),
+        critic=CriticModule(spec(1), lr=3e-3),
+        task=CopyTask(),
+        rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens=4),
+        ppo=PPOConfig(
+            critic_epochs=2,
+            actor_minibatches=2,
+            kl_coef=0.05,
+            critic_warmup_iterations=critic_warmup,
+        ),
+        num_threads=1,
+    )
+    trainer = PPOTrainer(
+        max_epochs=iterations,
+        default_root_dir=str(root),
+        accelerator="cpu",
+        callbacks=list(callbacks),
+    )
+    trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=40), ckpt_path=ckpt_path)
+    return trainer, system
+
+
+def params(system):
+    return {k: v.detach().clone() for k, v in system.state_dict().items()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class FailOnce(PPOCallback):
+    """Raises inside iteration ``at``'s actor phase (after critic steps were taken)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_chunk_end(self, ctx, result):
+        if ctx.iteration == self.at and ctx.phase == "actor":
+            raise RuntimeError("simulated worker crash")
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path):
+    trainer, straight = fit(tmp_path / "straight", 3, critic_warmup=1)
+    assert trainer.global_step == 2 * 2  # iterations 1 and 2 take 2 actor steps each
+    fit(tmp_path / "split", 2, critic_warmup=1)
+    assert (tmp_path / "split" / "checkpoints" / "last.ckpt").exists()
+    trainer, resumed = fit(tmp_path / "split", 3, ckpt_path="last", critic_warmup=1)
+    assert trainer.global_step == 4
+    assert_same(params(straight), params(resumed))
+    # Each launch logs into its own version folder: the first launch's metrics survive.
+    first = (tmp_path / "split" / "version_0" / "metrics.csv").read_text().splitlines()
+    second = (tmp_path / "split" / "version_1" / "metrics.csv").read_text().splitlines()
+    assert len(first) > 1 and len(second) > 1
+
+
+def test_crash_mid_iteration_restarts_that_iteration(tmp_path):
+    _, straight = fit(tmp_path / "straight", 3)
+    with pytest.raises(IterationError, match="iteration 2, phase actor"):
+        fit(tmp_path / "crash", 3, callbacks=[FailOnce(at=2)])
+    # The crashed iteration's rows were released and the last checkpoint is iteration 1's.
+    _, resumed = fit(tmp_path / "crash", 3, ckpt_path="last")
+    assert_same(params(straight), params(resumed))
