@@ -21,7 +21,11 @@ class PPOCLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("subclass_mode_model", True)
+        # PPOSystem's own knobs (actor, critic, task, rollout, ppo) show in `lppo fit --help`;
+        # the pieces users subclass are addressed by class_path inside it.
+        kwargs.setdefault("subclass_mode_model", False)
+        # Actor and critic own their optimizers; Lightning's --optimizer would be ignored.
+        kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(PPOSystem, ReplayDataModule, *args, trainer_class=PPOTrainer, **kwargs)
 
 

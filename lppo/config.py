@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from lppo.algorithms.kl import KLKind
 
 
-@dataclass
+@dataclass(frozen=True)
 class PPOConfig:
     """Settings of one RL iteration.
 

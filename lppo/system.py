@@ -22,7 +22,7 @@ from lppo.tasks import Task
 from lppo.tokenizer import build_char_tokenizer
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutSettings:
     """How each iteration's samples are generated.
 
@@ -75,8 +75,8 @@ class PPOSystem(LightningModule):
         actor: the policy (subclass :class:`ActorModule` to customize it).
         critic: the value model (subclass :class:`CriticModule` to customize it).
         task: prompt source and verifiable reward (subclass :class:`~lppo.tasks.Task`).
-        rollout: generation settings (default :class:`RolloutSettings`).
-        ppo: algorithm settings (default :class:`PPOConfig`).
+        rollout: generation settings.
+        ppo: algorithm settings.
         tokenizer_path: local tokenizer directory; ``null`` builds a character tokenizer from
             the task's vocabulary.
         seed: seed of prompt sampling and generation (iteration ``i`` uses a seed derived from
@@ -89,8 +89,8 @@ class PPOSystem(LightningModule):
         actor: ActorModule,
         critic: CriticModule,
         task: Task,
-        rollout: RolloutSettings | None = None,
-        ppo: PPOConfig | None = None,
+        rollout: RolloutSettings = RolloutSettings(),
+        ppo: PPOConfig = PPOConfig(),
         tokenizer_path: str | None = None,
         seed: int = 0,
         num_threads: int | None = None,
@@ -100,9 +100,9 @@ class PPOSystem(LightningModule):
         self.actor = actor
         self.critic = critic
         self.task = task
-        self.rollout = rollout if rollout is not None else RolloutSettings()
+        self.rollout = rollout
         self.rollout.validate()
-        self.ppo = ppo if ppo is not None else PPOConfig()
+        self.ppo = ppo
         self.ppo.validate(prefix="model.ppo")
         self.tokenizer_path = tokenizer_path
         self.seed = seed
