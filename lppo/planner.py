@@ -119,19 +119,20 @@ class ChunkPlanner:
             per_step = world_size * minibatches
             if drop_budget > 0:
                 raise ValueError(
-                    f"data.drop_budget={drop_budget} with data.fixed_rows_per_rank=true and "
-                    f"{world_size} data-parallel ranks x {minibatches} minibatches: dropping any "
-                    f"sample can leave a row count not divisible by {per_step}. Set "
-                    "data.drop_budget=0, or data.fixed_rows_per_rank=false (token-budget chunks "
-                    "with zero-weight padding keep normalization exact whatever is dropped)."
+                    f"data.drop_budget={drop_budget} with data.fixed_rows_per_rank=true: dropping "
+                    "any sample can leave a row count that no longer divides evenly over the "
+                    "data-parallel ranks and minibatches. Set data.drop_budget=0, or "
+                    "data.fixed_rows_per_rank=false (token-budget chunks with zero-weight "
+                    "padding keep normalization exact whatever is dropped)."
                 )
             if rows_per_iteration is not None and rows_per_iteration % per_step != 0:
                 raise ValueError(
-                    f"rows per iteration ({rows_per_iteration}) is not divisible by "
-                    f"data-parallel size x minibatches = {world_size} x {minibatches} = "
-                    f"{per_step} while data.fixed_rows_per_rank=true; choose a prompt count / "
-                    "samples per prompt whose product is a multiple of "
-                    f"{per_step}, or set data.fixed_rows_per_rank=false."
+                    f"rows per iteration = model.rollout.prompts_per_iteration x "
+                    f"model.rollout.samples_per_prompt = {rows_per_iteration} is not divisible by "
+                    f"data-parallel ranks x minibatches (model.ppo.*_minibatches) = {world_size} x "
+                    f"{minibatches} = {per_step} while data.fixed_rows_per_rank=true; make the "
+                    f"rows per iteration a multiple of {per_step}, or set "
+                    "data.fixed_rows_per_rank=false."
                 )
         self.max_tokens_per_chunk = max_tokens_per_chunk
         self.world_size = world_size

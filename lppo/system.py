@@ -150,6 +150,14 @@ class PPOSystem(LightningModule):
         data = self._datamodule()
         world = self.trainer.world_size if self._trainer is not None else 1
         rank = self.trainer.global_rank if self._trainer is not None else 0
+        if world > 1:
+            raise ValueError(
+                f"trainer.devices x trainer.num_nodes = {world} processes: multi-process training "
+                "through a Lightning strategy is not supported yet (Lightning's DDP wrapper "
+                "would sync gradients per backward, while lppo sums them once per step). Use "
+                "trainer.devices=1; the modules' own data-parallel path (one gradient "
+                "all-reduce per step) is available from Python with torch.distributed."
+            )
         data.configure(
             world_size=world,
             rank=rank,

@@ -56,8 +56,10 @@ class PPOTrainer(Trainer):
 
     Differences from a plain ``Trainer``: the fit loop is :class:`lppo.loop.PPOFitLoop`;
     lppo's built-in callbacks are added when absent; the default logger writes
-    ``metrics.csv`` straight into ``default_root_dir``; Lightning's batch progress bar, model
-    summary, sanity check and validation are off. ``global_step`` counts actor optimizer steps.
+    ``<default_root_dir>/version_N/metrics.csv`` (one folder per launch, so a resumed run keeps
+    the earlier metrics) and checkpoints go to ``<default_root_dir>/checkpoints``; Lightning's
+    batch progress bar, model summary, sanity check and validation are off. ``global_step``
+    counts actor optimizer steps.
 
     Args:
         *args: passed to :class:`lightning.pytorch.Trainer`.
@@ -67,7 +69,9 @@ class PPOTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         root = kwargs.get("default_root_dir") or os.path.join("runs", "lppo")
         kwargs["default_root_dir"] = root
-        logger = kwargs.get("logger", True)
+        # No default in this .get(): jsonargparse resolves `logger` through it, and a default
+        # would hide Trainer's type (`--trainer.logger <class_path>` then stayed a string).
+        logger = kwargs.get("logger")
         if logger is True or logger is None:
             # One version folder per launch: a resumed run never overwrites earlier metrics.
             kwargs["logger"] = CSVLogger(root, name="")

@@ -247,7 +247,7 @@ def test_seeded_shuffle_is_deterministic() -> None:
                 "minibatches": 3,
                 "rows_per_iteration": 10,
             },
-            r"rows per iteration \(10\).*2 x 3 = 6.*data\.fixed_rows_per_rank",
+            r"samples_per_prompt = 10 is not divisible.*2 x 3 = 6.*data\.fixed_rows_per_rank",
         ),
         ({"max_tokens_per_chunk": 64, "drop_budget": -1}, r"data\.drop_budget=-1"),
         ({"max_tokens_per_chunk": 64, "minibatches": 0}, r"minibatches=0"),
