@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -31,6 +32,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "manual_optimization"),
     ("lightning.pytorch.loops.optimization.manual._ManualOptimization", "optim_step_progress"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_last_global_step_saved"),
+    ("lightning.pytorch.core.mixins.hparams_mixin", "_given_hyperparameters"),
 )
 
 
@@ -94,3 +96,13 @@ def allow_checkpoint_without_new_step(callback: ModelCheckpoint) -> None:
     warmup iterations take no actor step, yet each iteration boundary must be checkpointed.
     """
     callback._last_global_step_saved = -1
+
+
+def instantiated_by_cli() -> bool:
+    """Whether the LightningModule being built is instantiated by LightningCLI.
+
+    Then ``save_hyperparameters`` records the parsed config (``class_path`` / ``init_args``)
+    instead of the init arguments' objects, so nested modules can be kept in the hparams and
+    ``load_from_checkpoint`` rebuilds the whole system.
+    """
+    return _given_hyperparameters.get() is not None

@@ -16,6 +16,7 @@ from lppo.config import PPOConfig
 from lppo.controller import IterationResult, PPOController
 from lppo.data import ReplayDataModule
 from lppo.hooks import PPOCallback
+from lppo.loop import instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule
 from lppo.rollout import HFGenerateEngine, score, to_rollout
 from lppo.tasks import Task
@@ -96,6 +97,11 @@ class PPOSystem(LightningModule):
         num_threads: int | None = None,
     ) -> None:
         super().__init__()
+        # Under LightningCLI the hparams are the parsed config (class_path / init_args), from
+        # which `PPOSystem.load_from_checkpoint` rebuilds everything; from Python, objects are
+        # kept out of the hparams so checkpoints stay loadable with weights_only=True.
+        objects = [] if instantiated_by_cli() else ["actor", "critic", "task", "rollout", "ppo"]
+        self.save_hyperparameters(ignore=objects, logger=False)
         self.automatic_optimization = False
         self.actor = actor
         self.critic = critic

@@ -380,3 +380,17 @@ def test_unknown_task_class_is_a_parse_error(
     err = capsys.readouterr().err
     assert "model.task" in err and "lppo.tasks.NoSuchTask" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_load_from_checkpoint_rebuilds_the_system(tmp_path):
+    """Under the CLI the hparams are the parsed config, so a checkpoint alone rebuilds it."""
+    root = ["--trainer.default_root_dir", str(tmp_path), "--trainer.max_epochs", "1"]
+    cli = run(["fit", "--config", str(TINY), *SMALL, *root])
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    loaded = PPOSystem.load_from_checkpoint(ckpt)
+    assert loaded.rollout.prompts_per_iteration == 4
+    assert type(loaded.task) is type(cli.model.task)
+    trained = cli.model.state_dict()
+    assert trained.keys() == loaded.state_dict().keys()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, trained[k]), k
