@@ -1,4 +1,4 @@
-"""In-process replay store: packed rows in a Python dict, one contiguous tensor per row and column.
+"""In-process replay store: each column packed into a few flat tensors (segments).
 
 See :mod:`lppo.replay.base` for the rules every backend follows. Choices left open there:
 
@@ -9,44 +9,39 @@ See :mod:`lppo.replay.base` for the rules every backend follows. Choices left op
 * ``input_ids`` must be ``int64`` rank 1 and ``response_mask`` ``bool`` rank 1 (``TypeError``).
 * ``has`` answers ``False`` for ids that are not live; ``claim`` of a non-live id raises
   ``KeyError``; ``clear`` drops every claim and marks the cleared ids released.
-* Tensors are detached and cloned contiguous on ``put`` / ``write`` / ``read`` /
-  ``load_state_dict``; ``state_dict`` shares them (the store never mutates a tensor in place).
+* Values are detached and copied into the store on ``put`` / ``write`` / ``load_state_dict``.
+  ``read`` returns fresh copies (per column and call, views of one new buffer that the store
+  does not hold, one non-overlapping view per row). ``state_dict`` returns views of the store's
+  segments, which the store never changes afterwards (it never writes a filled element).
+* ``nbytes`` is the size of the segment tensors actually held: the live values plus what is
+  not compacted yet: dead runs (overwritten or released values), the unused room of each
+  column's open tail segment (at most max(1/32 of its live bytes, 16 KiB)) and the unused
+  ends of sealed tails (at most 1/32 of each); see :mod:`lppo.replay._segments`. No segment
+  with a dead run is left more than half dead or unused, so ``nbytes`` stays under about twice
+  the live bytes; a store whose rows all went holds 0.
+* ``state_dict`` keeps that layout, so a loaded store holds the same ``nbytes``.
+* Released ids are kept as ranges of consecutive ids (:class:`~lppo.replay._segments.IdRanges`),
+  so remembering them costs nothing per row when ids are handed out in sequence.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from operator import index
 from typing import Any
 
 import torch
 
+from lppo.replay._segments import Column, IdRanges, column_state, count_true, load_column
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
 
 __all__ = ["MemoryReplayStore"]
 
 _Spec = tuple[torch.dtype, int]
 _FIXED: dict[str, _Spec] = {INPUT_IDS: (torch.int64, 1), RESPONSE_MASK: (torch.bool, 1)}
-_FORMAT = "lppo.replay.memory/1"
-
-
-@dataclass
-class _Row:
-    length: int
-    valid: int
-    data: dict[str, torch.Tensor]
-
-
-def _pack(t: torch.Tensor) -> torch.Tensor:
-    """Return an owned, contiguous copy of ``t`` (no view of the caller's storage)."""
-    return t.detach().clone(memory_format=torch.contiguous_format)
-
-
-def _count_valid(data: Mapping[str, torch.Tensor]) -> int:
-    mask = data.get(RESPONSE_MASK)
-    return 0 if mask is None else int(torch.count_nonzero(mask))
+_FORMAT = "lppo.replay.memory/2"
 
 
 def _as_ids(op: str, ids: Sequence[int]) -> list[int]:
@@ -101,20 +96,50 @@ def _decode_dtype(name: str) -> torch.dtype:
 class MemoryReplayStore:
     """:class:`~lppo.replay.base.ReplayStore` kept in this process's memory.
 
-    Rows are stored packed: each row's column is its own contiguous tensor, on the device it
-    was given on. Valid-token counts are cached when ``response_mask`` is put or written, so
-    :meth:`meta` reads no tensor.
+    Storage is packed per column (:class:`~lppo.replay._segments.Column`): a few flat tensors
+    on the device the values were given on. Each live row has a dense *slot* ``k`` (its dict
+    entry ``row id -> k`` is the only per-row Python object) indexing compact tables of
+    lengths, valid-token counts and per-column locations. Valid-token counts are cached when
+    ``response_mask`` is put or written, so :meth:`meta` reads no tensor.
     """
 
     def __init__(self) -> None:
-        self._rows: dict[int, _Row] = {}
         self._schema: tuple[str, ...] | None = None
         self._columns: dict[str, _Spec] = {}
         self._claims: dict[int, str] = {}
-        self._released: dict[int, None] = {}  # insertion-ordered set
+        self._released = IdRanges()
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
+        """Drop every row and every stored value (specs, claims and released ids untouched)."""
+        self._index: dict[int, int] = {}  # live row id -> slot, in put order
+        self._lengths = array("q")  # slot -> row length (shared with the columns)
+        self._valid = array("q")  # slot -> valid-token count
+        self._free: list[int] = []  # slots of released rows, reused first
+        self._data: dict[str, Column] = {}
+
+    def _add_rows(self, ids: list[int], lengths: list[int], valid: list[int]) -> list[int]:
+        ks = []
+        for i, length, v in zip(ids, lengths, valid, strict=True):
+            if self._free:
+                k = self._free.pop()
+                self._lengths[k], self._valid[k] = length, v
+            else:
+                k = len(self._lengths)
+                self._lengths.append(length)
+                self._valid.append(v)
+            self._index[i] = k
+            ks.append(k)
+        return ks
+
+    def _store(self, name: str, ks: list[int], tensors: list[torch.Tensor]) -> None:
+        col = self._data.get(name)
+        if col is None:
+            col = self._data[name] = Column(*self._columns[name], self._lengths)
+        col.write(ks, tensors)
 
     def _check_live(self, op: str, ids: Sequence[int]) -> None:
-        bad = [i for i in ids if i not in self._rows]
+        bad = [i for i in ids if i not in self._index]
         if bad:
             why = [f"{i} ({'released' if i in self._released else 'unknown'})" for i in bad]
             raise KeyError(f"{op}: rows not live: {', '.join(why)}")
@@ -156,7 +181,7 @@ class MemoryReplayStore:
                 f"put: columns differ from the row schema {sorted(self._schema)}: "
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
-        live = [i for i in id_list if i in self._rows]
+        live = [i for i in id_list if i in self._index]
         if live:
             raise KeyError(f"put: rows already live: {live}")
         for i, t in zip(id_list, cols[INPUT_IDS], strict=True):
@@ -165,13 +190,15 @@ class MemoryReplayStore:
         new = self._check_columns("put", id_list, cols, lengths)
         if not id_list:
             return
+        valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else [0] * len(id_list)
         self._columns.update(new)
         if self._schema is None:
             self._schema = tuple(cols)
-        for j, i in enumerate(id_list):
-            data = {name: _pack(tensors[j]) for name, tensors in cols.items()}
-            self._rows[i] = _Row(lengths[j], _count_valid(data), data)
-            self._released.pop(i, None)
+        for i in id_list:
+            self._released.discard(i)
+        ks = self._add_rows(id_list, lengths, valid)
+        for name, tensors in cols.items():
+            self._store(name, ks, tensors)
 
     def write(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
         """Add or overwrite columns of existing rows (any subset of live rows).
@@ -188,21 +215,23 @@ class MemoryReplayStore:
             raise KeyError(f"write: column {INPUT_IDS!r} is fixed at put and cannot be written")
         cols = _as_lists("write", columns, len(id_list))
         self._check_live("write", id_list)
-        lengths = [self._rows[i].length for i in id_list]
-        new = self._check_columns("write", id_list, cols, lengths)
+        ks = [self._index[i] for i in id_list]
+        new = self._check_columns("write", id_list, cols, [self._lengths[k] for k in ks])
         if not id_list:
             return
+        valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else None
         self._columns.update(new)
-        for j, i in enumerate(id_list):
-            row = self._rows[i]
-            row.data.update({name: _pack(tensors[j]) for name, tensors in cols.items()})
-            if RESPONSE_MASK in cols:
-                row.valid = _count_valid(row.data)
+        for name, tensors in cols.items():
+            self._store(name, ks, tensors)
+        if valid is not None:
+            for k, v in zip(ks, valid, strict=True):
+                self._valid[k] = v
 
     def read(self, ids: Sequence[int], names: Sequence[str]) -> dict[str, list[torch.Tensor]]:
         """Return ``name -> [tensor of ids[0], tensor of ids[1], ...]`` in the order asked.
 
-        The tensors are copies: mutating them does not change the store.
+        The tensors are fresh copies: mutating them does not change the store. Those of one
+        column are non-overlapping views of one new buffer that only the caller holds.
 
         Raises:
             KeyError: an id is unknown or released, or a row lacks a column asked for.
@@ -210,11 +239,13 @@ class MemoryReplayStore:
         """
         id_list = [index(i) for i in ids]
         self._check_live("read", id_list)
+        ks = [self._index[i] for i in id_list]
         for name in names:
-            lacking = [i for i in id_list if name not in self._rows[i].data]
+            col = self._data.get(name)
+            lacking = [id_list[j] for j in col.missing(ks)] if col else id_list
             if lacking:
                 raise KeyError(f"read: rows {lacking} lack column {name!r}")
-        return {name: [_pack(self._rows[i].data[name]) for i in id_list] for name in names}
+        return {name: self._data[name].gather(ks) if ks else [] for name in names}
 
     def meta(self, ids: Sequence[int] | None = None) -> RowMeta:
         """Lengths and valid-token counts of ``ids`` (all live rows, ascending, when ``None``).
@@ -223,13 +254,13 @@ class MemoryReplayStore:
             KeyError: an id is unknown or released.
 
         """
-        id_list = sorted(self._rows) if ids is None else [index(i) for i in ids]
+        id_list = sorted(self._index) if ids is None else [index(i) for i in ids]
         self._check_live("meta", id_list)
-        rows = [self._rows[i] for i in id_list]
+        ks = [self._index[i] for i in id_list]
         return RowMeta(
             ids=tuple(id_list),
-            lengths=tuple(r.length for r in rows),
-            valid_tokens=tuple(r.valid for r in rows),
+            lengths=tuple(self._lengths[k] for k in ks),
+            valid_tokens=tuple(self._valid[k] for k in ks),
         )
 
     def columns(self) -> dict[str, tuple[torch.dtype, int]]:
@@ -238,8 +269,9 @@ class MemoryReplayStore:
 
     def has(self, name: str, ids: Sequence[int]) -> bool:
         """Whether every row of ``ids`` is live and holds column ``name``."""
-        rows = [self._rows.get(index(i)) for i in ids]
-        return all(r is not None and name in r.data for r in rows)
+        ks = [self._index.get(index(i)) for i in ids]
+        col = self._data.get(name)
+        return all(k is not None and col is not None and col.holds(k) for k in ks)
 
     def claim(self, ids: Sequence[int], owner: str) -> None:
         """Retain live rows ``ids`` for ``owner`` until they are released.
@@ -264,6 +296,9 @@ class MemoryReplayStore:
     def release(self, ids: Sequence[int]) -> None:
         """Delete rows ``ids`` (exactly once; a second release raises ``KeyError``).
 
+        Storage emptied by the release is freed; segments left more than half dead are
+        compacted.
+
         Raises:
             KeyError: an id is unknown or released.
             ValueError: ``ids`` repeats an id.
@@ -271,44 +306,56 @@ class MemoryReplayStore:
         """
         id_list = _as_ids("release", ids)
         self._check_live("release", id_list)
+        if not id_list:
+            return
+        ks = [self._index.pop(i) for i in id_list]
         for i in id_list:
-            del self._rows[i]
             self._claims.pop(i, None)
-            self._released[i] = None
+            self._released.add(i)
+        if not self._index:
+            self._reset_rows()
+            return
+        for col in self._data.values():
+            col.drop(ks)
+        self._free.extend(ks)
 
     def clear(self) -> None:
         """Delete every live row (schema and column specs kept; the ids become released)."""
-        self._released.update(dict.fromkeys(self._rows))
-        self._rows.clear()
+        for i in self._index:
+            self._released.add(i)
         self._claims.clear()
+        self._reset_rows()
 
     def nbytes(self) -> int:
-        """Bytes held by the stored tensors."""
-        return sum(
-            t.numel() * t.element_size() for r in self._rows.values() for t in r.data.values()
-        )
+        """Bytes of the segment tensors held (live values, dead runs and open tail room)."""
+        return sum(col.nbytes() for col in self._data.values())
 
     def __len__(self) -> int:
         """Return the number of live rows."""
-        return len(self._rows)
+        return len(self._index)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild the store exactly (rows, schema, claims, released ids).
 
-        Holds only tensors, dicts, lists, str, int and ``None`` (dtypes as strings), so it loads
-        with ``torch.load(weights_only=True)``. Its tensors are shared with the store.
+        The layout is kept too (segments with their dead runs and room, per-row locations), so
+        a loaded store holds the same ``nbytes``. Holds only tensors, dicts, lists, str, int and
+        ``None`` (dtypes as strings), so it loads with ``torch.load(weights_only=True)``. Its
+        segment tensors are views of the store's (never changed by the store afterwards).
         """
+        ks = list(self._index.values())
         return {
             "format": _FORMAT,
             "schema": None if self._schema is None else list(self._schema),
             "columns": {n: [str(d), r] for n, (d, r) in self._columns.items()},
-            "rows": [{"id": i, "data": dict(r.data)} for i, r in self._rows.items()],
+            "ids": list(self._index),
+            "lengths": torch.tensor([self._lengths[k] for k in ks], dtype=torch.int64),
+            "data": {n: column_state(c, ks) for n, c in self._data.items()},
             "claims": [[i, o] for i, o in self._claims.items()],
-            "released": list(self._released),
+            "released": self._released.ranges(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace the store's content with ``state`` (from ``state_dict``).
+        """Replace the store's content with ``state`` (from ``state_dict``); tensors are copied.
 
         Raises:
             ValueError: ``state`` is not a consistent state of this backend (store unchanged).
@@ -318,24 +365,32 @@ class MemoryReplayStore:
             raise ValueError(
                 f"load_state_dict: expected format {_FORMAT!r}, got {state.get('format')!r}"
             )
-        schema = None if state["schema"] is None else tuple(state["schema"])
-        specs = {n: (_decode_dtype(d), int(r)) for n, (d, r) in state["columns"].items()}
-        rows: dict[int, _Row] = {}
         try:
-            for entry in state["rows"]:
-                i, data = index(entry["id"]), entry["data"]
-                if i in rows or (schema is not None and not set(schema) <= set(data)):
-                    raise ValueError(f"row {i} is repeated or lacks a schema column")
-                length = int(data[INPUT_IDS].shape[0])
-                for name, t in data.items():
-                    _check_tensor("load_state_dict", i, name, t, specs[name], length)
-                packed = {name: _pack(t) for name, t in data.items()}
-                rows[i] = _Row(length, _count_valid(packed), packed)
-        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            schema = None if state["schema"] is None else tuple(state["schema"])
+            specs = {n: (_decode_dtype(d), int(r)) for n, (d, r) in state["columns"].items()}
+            ids = [index(i) for i in state["ids"]]
+            lengths = array("q", state["lengths"].tolist())
+            if len(lengths) != len(ids) or len(set(ids)) != len(ids):
+                raise ValueError("ids repeated or not one length per id")
+            data = {n: load_column(*specs[n], lengths, c) for n, c in state["data"].items()}
+            ks = list(range(len(ids)))
+            if ids and any(
+                not (c := data.get(n)) or not all(map(c.holds, ks)) for n in schema or [INPUT_IDS]
+            ):
+                raise ValueError("a row lacks a schema column")
+            mask = data.get(RESPONSE_MASK)
+            valid = [0] * len(ids)
+            if mask is not None:
+                held = [k for k in ks if mask.holds(k)]
+                for k, v in zip(held, count_true(mask.gather(held)), strict=True):
+                    valid[k] = v
+            claims = {index(i): str(o) for i, o in state["claims"]}
+            released = IdRanges.from_ranges((index(a), index(b)) for a, b in state["released"])
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
             raise ValueError(f"load_state_dict: inconsistent state: {e}") from e
-        claims = {index(i): str(o) for i, o in state["claims"]}
-        released = dict.fromkeys(index(i) for i in state["released"])
-        if not claims.keys() <= rows.keys() or not released.keys().isdisjoint(rows):
+        if not claims.keys() <= set(ids) or any(i in released for i in ids):
             raise ValueError("load_state_dict: claims must name live rows, released ids none")
-        self._rows, self._schema, self._columns = rows, schema, specs
+        self._schema, self._columns = schema, specs
         self._claims, self._released = claims, released
+        self._index, self._free, self._data = dict(zip(ids, ks, strict=True)), [], data
+        self._lengths, self._valid = lengths, array("q", valid)
