@@ -128,21 +128,18 @@ class MLPHeadCritic(CriticModule):
     """
 
     def __init__(self, head_hidden: int = 32, **kwargs: Any) -> None:
-        # Set before super().__init__: the base attaches the head there when given a module.
+        # Set before super().__init__: given a backbone module, the base builds the head there.
         self.head_hidden = head_hidden
         super().__init__(**kwargs)
 
-    def _attach(self, backbone: nn.Module) -> None:
-        """Attach the backbone (the base builds a seeded ``Linear``), then swap in the MLP."""
-        super()._attach(backbone)
-        hidden = int(backbone.config.hidden_size)
-        param = next(backbone.parameters())
-        first = nn.Linear(hidden, self.head_hidden, dtype=param.dtype, device=param.device)
-        last = nn.Linear(self.head_hidden, 1, dtype=param.dtype, device=param.device)
+    def make_value_head(self, hidden_size: int) -> nn.Module:
+        """``Linear(hidden, head_hidden) → Tanh → Linear(head_hidden, 1)``, seeded."""
+        first = nn.Linear(hidden_size, self.head_hidden)
+        last = nn.Linear(self.head_hidden, 1)
         gen = torch.Generator().manual_seed(self.head_seed)
         with torch.no_grad():
-            first.weight.copy_(torch.randn(first.weight.shape, generator=gen) / hidden**0.5)
+            first.weight.copy_(torch.randn(first.weight.shape, generator=gen) / hidden_size**0.5)
             first.bias.zero_()
             last.weight.copy_(torch.randn(last.weight.shape, generator=gen) * self.head_init_std)
             last.bias.zero_()
-        self.value_head = nn.Sequential(first, nn.Tanh(), last)  # type: ignore[assignment]
+        return nn.Sequential(first, nn.Tanh(), last)

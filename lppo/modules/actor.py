@@ -109,11 +109,16 @@ class ActorModule(PPOModule):
             self.spec = model
 
     def configure_model(
-        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+        self,
+        vocab_size: int | None = None,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
         """Build the model from its spec (no-op when a model object was given)."""
         if self.model is None:
-            assert self.spec is not None
+            if self.spec is None or vocab_size is None:
+                raise RuntimeError("actor model spec needs the vocabulary to be built.")
             self.model = self.spec.build(vocab_size, pad_token_id, bos_token_id, eos_token_id)
 
     # ---------------------------------------------------------------- forward

@@ -72,34 +72,48 @@ class CriticModule(PPOModule):
         self.value_clip = value_clip
         self.head_init_std = head_init_std
         self.head_seed = head_seed
-        self.spec: HFCausalLM | None = None
-        self.backbone: nn.Module | None = None
-        self.value_head: nn.Linear | None = None
-        if isinstance(backbone, nn.Module):
-            self._attach(backbone)
-        else:
-            self.spec = backbone
+        given = isinstance(backbone, nn.Module)
+        self.spec: HFCausalLM | None = None if given else backbone  # type: ignore[assignment]
+        self.backbone: nn.Module | None = backbone if given else None  # type: ignore[assignment]
+        self.value_head: nn.Module | None = None
+        if given:
+            self.configure_model()
 
     def configure_model(
-        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+        self,
+        vocab_size: int | None = None,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
-        """Build the backbone from its spec (no-op when a module was given)."""
-        if self.backbone is None:
-            assert self.spec is not None
-            self._attach(
-                self.spec.build_backbone(vocab_size, pad_token_id, bos_token_id, eos_token_id)
-            )
+        """Build the backbone from its spec (when given one) and the value head; idempotent.
 
-    def _attach(self, backbone: nn.Module) -> None:
-        self.backbone = backbone
-        hidden = int(backbone.config.hidden_size)
-        param = next(backbone.parameters())
-        head = nn.Linear(hidden, 1, dtype=param.dtype, device=param.device)
+        With a backbone *module* this runs inside ``__init__``: a subclass whose
+        :meth:`make_value_head` reads its own attributes sets them before ``super().__init__``.
+        """
+        if self.backbone is None:
+            if self.spec is None or vocab_size is None:
+                raise RuntimeError("critic backbone spec needs the vocabulary to be built.")
+            self.backbone = self.spec.build_backbone(
+                vocab_size, pad_token_id, bos_token_id, eos_token_id
+            )
+        if self.value_head is None:
+            param = next(self.backbone.parameters())
+            head = self.make_value_head(int(self.backbone.config.hidden_size))
+            self.value_head = head.to(dtype=param.dtype, device=param.device)
+
+    def make_value_head(self, hidden_size: int) -> nn.Module:
+        """The value head, mapping ``[..., hidden_size]`` to ``[..., 1]``; override to change it.
+
+        Default: one ``Linear`` with weights ``N(0, head_init_std²)`` drawn from ``head_seed``
+        and a zero bias.
+        """
+        head = nn.Linear(hidden_size, 1)
         gen = torch.Generator().manual_seed(self.head_seed)
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * self.head_init_std)
             head.bias.zero_()
-        self.value_head = head
+        return head
 
     # ---------------------------------------------------------------- forward
     def values(self, chunk: Chunk) -> torch.Tensor:
