@@ -131,10 +131,11 @@ class PPOController:
         try:
             return self._run(ctx, rollout, dropped)
         except BaseException as error:
-            self._emit("on_ppo_abort", ctx, error)
+            where = ctx.where()
+            self._abort(ctx, error)
             if not isinstance(error, Exception):
                 raise
-            raise IterationError(f"{ctx.where()}: {type(error).__name__}: {error}") from error
+            raise IterationError(f"{where}: {type(error).__name__}: {error}") from error
 
     def state_dict(self) -> dict[str, Any]:
         """Controller state at an iteration boundary."""
@@ -297,6 +298,17 @@ class PPOController:
                     )
                 ctx.module = ctx.plan = None
             self._emit("on_phase_epoch_end", ctx)
+
+    def _abort(self, ctx: IterationContext, error: BaseException) -> None:
+        """Run every ``on_ppo_abort`` hook; a failing one never hides the original error."""
+        for cb in self.callbacks:
+            try:
+                cb.on_ppo_abort(ctx, error)
+            except Exception as cleanup_error:
+                error.add_note(
+                    f"lppo: {type(cb).__name__}.on_ppo_abort failed during cleanup: "
+                    f"{type(cleanup_error).__name__}: {cleanup_error}"
+                )
 
     def _emit(self, hook: str, ctx: IterationContext, *args: Any) -> None:
         for cb in self.callbacks:

@@ -191,3 +191,23 @@ def test_critic_warmup_skips_actor():
 def test_bad_config_names_the_key(key, value):
     with pytest.raises(ValueError, match=f"ppo.{key}={value}"):
         make_controller(**{key: value})
+
+
+def test_failing_cleanup_hook_does_not_hide_the_error():
+    class Boom(PPOCallback):
+        def on_chunk_end(self, ctx, result):
+            raise ValueError("original")
+
+    class BadCleanup(PPOCallback):
+        def on_ppo_abort(self, ctx, error):
+            raise OSError("cleanup broke")
+
+    store = CountingStore()
+    ctl = make_controller(store, callbacks=[BadCleanup(), Boom()])
+    with pytest.raises(IterationError, match="ValueError: original") as info:
+        ctl.run_iteration(make_rollout(3, 9), iteration=0)
+    notes = getattr(info.value.__cause__, "__notes__", [])
+    assert any("BadCleanup.on_ppo_abort failed" in n for n in notes)
+    # The built-in cleanup still ran: rows released, no step open.
+    assert store.release_calls == [(0, 1, 2)]
+    assert not ctl.critic.step_open
