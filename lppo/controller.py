@@ -1,5 +1,9 @@
 """The single controller: one RL iteration, phase by phase, over streamed replay chunks.
 
+Under data parallelism every rank holds all of the iteration's rows in its own replay store:
+scoring and advantages run over every row on every rank (identical results), and only the
+critic and actor steps are sharded across ranks.
+
 ``collect → score → advantages → critic epochs → actor epochs → release``. Optimizer steps,
 row retention and abort cleanup are done by callbacks (:mod:`lppo.callbacks`) that receive the
 controller's hooks; the three built-ins are always installed.
@@ -155,7 +159,9 @@ class PPOController:
 
         ctx.phase = "score"
         clock = time.perf_counter()
-        score_plan = self.data.plan(ctx.row_ids, "score", ctx.iteration, dropped=dropped)
+        score_plan = self.data.plan(
+            ctx.row_ids, "score", ctx.iteration, dropped=dropped, shard=False
+        )
         valid = score_plan.valid_rows
         stats["invalid_rows"] = float(len(score_plan.invalid_rows))
         self._score(ctx, valid)
@@ -213,7 +219,7 @@ class PPOController:
     @torch.no_grad()
     def _score(self, ctx: IterationContext, rows: Sequence[int]) -> None:
         """Write π_old log-probabilities, reference log-probabilities and old values."""
-        step = self.data.plan(rows, "score", ctx.iteration).steps[0]
+        step = self.data.plan(rows, "score", ctx.iteration, shard=False).steps[0]
         for c, chunk in enumerate(self.data.stream(step, [])):
             if chunk.is_padding:
                 continue
@@ -233,7 +239,7 @@ class PPOController:
         cfg = self.config
         use_kl = self.reference is not None
         names = [REWARD, VALUES, OLD_LOGPROBS] + ([REF_LOGPROBS] if use_kl else [])
-        step = self.data.plan(rows, "advantages", ctx.iteration).steps[0]
+        step = self.data.plan(rows, "advantages", ctx.iteration, shard=False).steps[0]
         moments, kl_sum, kl_count = Moments(), 0.0, 0
         for c, chunk in enumerate(self.data.stream(step, names)):
             if chunk.is_padding:

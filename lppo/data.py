@@ -89,8 +89,12 @@ class ReplayDataModule(LightningDataModule):
         epoch: int = 0,
         minibatches: int = 1,
         dropped: int = 0,
+        shard: bool = True,
     ) -> EpochPlan:
-        """Plan one epoch of ``phase`` over rows ``row_ids`` (metadata only, no tensor read)."""
+        """Plan one epoch of ``phase`` over rows ``row_ids`` (metadata only, no tensor read).
+
+        ``shard=False`` plans every chunk for this rank (see :meth:`ChunkPlanner.plan`).
+        """
         return self.planner.plan(
             self.store.meta(row_ids),
             epoch=epoch,
@@ -98,6 +102,7 @@ class ReplayDataModule(LightningDataModule):
             phase=phase,
             iteration=iteration,
             dropped=dropped,
+            shard=shard,
         )
 
     def stream(self, step: StepPlan, names: Sequence[str]) -> Iterator[Chunk]:

@@ -151,6 +151,7 @@ class ChunkPlanner:
         phase: str = "train",
         iteration: int = 0,
         dropped: int = 0,
+        shard: bool = True,
     ) -> EpochPlan:
         """Plan one epoch of one phase for this rank.
 
@@ -161,6 +162,8 @@ class ChunkPlanner:
             phase: phase name (part of the shuffle seed), e.g. ``"actor"``.
             iteration: RL iteration (part of the shuffle seed).
             dropped: samples lost before reaching the store (count against the drop budget).
+            shard: split the chunks across data-parallel ranks; ``False`` gives every rank all
+                chunks (phases whose work each rank repeats on its own copy of the rows).
 
         Returns:
             The :class:`EpochPlan`.
@@ -196,14 +199,15 @@ class ChunkPlanner:
             )
         if minibatches < 1:
             raise ValueError(f"minibatches={minibatches} must be >= 1.")
-        if len(valid) < minibatches * (self.world_size if self.fixed_rows_per_rank else 1):
+        world, rank = (self.world_size, self.rank) if shard else (1, 0)
+        if len(valid) < minibatches * (world if self.fixed_rows_per_rank else 1):
             raise ValueError(
                 f"{len(valid)} valid rows cannot fill {minibatches} minibatches; lower the "
                 "number of minibatches or collect more rows per iteration."
             )
-        if self.fixed_rows_per_rank and len(valid) % (self.world_size * minibatches) != 0:
+        if self.fixed_rows_per_rank and len(valid) % (world * minibatches) != 0:
             raise ValueError(
-                f"{len(valid)} valid rows are not divisible by {self.world_size} ranks x "
+                f"{len(valid)} valid rows are not divisible by {world} ranks x "
                 f"{minibatches} minibatches while data.fixed_rows_per_rank=true."
             )
         order = list(valid)
@@ -213,7 +217,7 @@ class ChunkPlanner:
         valid_count = dict(zip(meta.ids, meta.valid_tokens, strict=True))
         steps = []
         for k, rows in enumerate(_split(order, minibatches)):
-            steps.append(self._plan_step(rows, length, valid_count, epoch, k))
+            steps.append(self._plan_step(rows, length, valid_count, epoch, k, world, rank))
         return EpochPlan(
             steps=tuple(steps), valid_rows=tuple(order), invalid_rows=invalid, dropped=dropped
         )
@@ -226,15 +230,17 @@ class ChunkPlanner:
         valid_count: dict[int, int],
         epoch: int,
         minibatch: int,
+        world: int,
+        rank: int,
     ) -> StepPlan:
         if self.fixed_rows_per_rank:
-            shares = _split(rows, self.world_size)
+            shares = _split(rows, world)
             per_rank = [self._pack(share, length) for share in shares]
         else:
             chunks = self._pack(rows, length)
-            per_rank = [chunks[r :: self.world_size] for r in range(self.world_size)]
+            per_rank = [chunks[r::world] for r in range(world)]
         width = max(len(c) for c in per_rank)
-        mine = per_rank[self.rank] + [()] * (width - len(per_rank[self.rank]))
+        mine = per_rank[rank] + [()] * (width - len(per_rank[rank]))
         slots = sum(len(c) * max(length[i] for i in c) for cs in per_rank for c in cs)
         used = sum(length[i] for i in rows)
         return StepPlan(

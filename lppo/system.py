@@ -19,8 +19,10 @@ from lppo.hooks import PPOCallback
 from lppo.loop import instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule
 from lppo.rollout import HFGenerateEngine, score, to_rollout
+from lppo.strategy import check_strategy
 from lppo.tasks import Task
 from lppo.tokenizer import build_char_tokenizer
+from lppo.types import Rollout
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,14 @@ class PPOSystem(LightningModule):
 
     One trainer epoch is one RL iteration: sample prompts, generate, reward, then the
     controller's score → advantages → critic epochs → actor epochs → release.
+
+    Data parallelism: with ``trainer.strategy=ppo_ddp`` (:class:`lppo.strategy.PPODDPStrategy`)
+    and several devices, rank 0 generates and rewards each rollout and broadcasts it, so every
+    rank's (rank-local) replay store holds all rows; every rank scores all rows and computes
+    all advantages (duplicated work, identical results), then trains only its shard of each
+    step's chunks, with gradients and diagnostics summed across ranks once per optimizer step.
+    Rollouts are not yet split across ranks (each rank could generate its own share later).
+    Lightning's own multi-process strategies (``ddp``, ``fsdp``, ...) are rejected.
 
     Args:
         actor: the policy (subclass :class:`ActorModule` to customize it).
@@ -157,13 +167,7 @@ class PPOSystem(LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         rank = self.trainer.global_rank if self._trainer is not None else 0
         if world > 1:
-            raise ValueError(
-                f"trainer.devices x trainer.num_nodes = {world} processes: multi-process training "
-                "through a Lightning strategy is not supported yet (Lightning's DDP wrapper "
-                "would sync gradients per backward, while lppo sums them once per step). Use "
-                "trainer.devices=1; the modules' own data-parallel path (one gradient "
-                "all-reduce per step) is available from Python with torch.distributed."
-            )
+            check_strategy(self.trainer.strategy, world)
         data.configure(
             world_size=world,
             rank=rank,
@@ -208,12 +212,35 @@ class PPOSystem(LightningModule):
 
     # -------------------------------------------------------------- iteration
     def run_iteration(self, iteration: int) -> IterationResult:
-        """Sample, generate, reward, and run the controller's phases for ``iteration``."""
+        """Sample, generate, reward, and run the controller's phases for ``iteration``.
+
+        Under data parallelism only rank 0 generates; its rollout is broadcast to every rank.
+        """
         self.configure_model()
         assert self.engine is not None and self.controller is not None
         self.iteration_index = iteration
-        r = self.rollout
         clock = time.perf_counter()
+        distributed = self._trainer is not None and self.trainer.world_size > 1
+        packed = None
+        if not distributed or self.trainer.is_global_zero:
+            packed = self._generate(iteration)
+        if distributed:
+            # Rank 0's rollout, so every rank holds bit-identical rows even where generation
+            # is not reproducible across devices.
+            packed = self.trainer.strategy.broadcast(packed, src=0)
+        assert packed is not None
+        rollout, rollout_tokens = packed
+        rollout_seconds = time.perf_counter() - clock
+        result = self.controller.run_iteration(rollout, iteration)
+        result.seconds["rollout"] = rollout_seconds
+        result.tokens["rollout"] = rollout_tokens
+        self.last_result = result
+        return result
+
+    def _generate(self, iteration: int) -> tuple[Rollout, int]:
+        """Sample prompts, generate and reward: the rollout and its response-token count."""
+        assert self.engine is not None
+        r = self.rollout
         prompts = self.task.sample_prompts(
             r.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
         )
@@ -221,12 +248,7 @@ class PPOSystem(LightningModule):
             prompts, r.samples_per_prompt, seed=derive_seed(self.seed, "generate", iteration)
         )
         rollout = to_rollout(output, score(self.task, prompts, output))
-        rollout_seconds = time.perf_counter() - clock
-        result = self.controller.run_iteration(rollout, iteration)
-        result.seconds["rollout"] = rollout_seconds
-        result.tokens["rollout"] = int(output.response_lengths.sum())
-        self.last_result = result
-        return result
+        return rollout, int(output.response_lengths.sum())
 
     # ------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
 from lppo.loop import install
+from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
 
 # The frozen reference policy is in eval mode on purpose.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
@@ -59,7 +60,11 @@ class PPOTrainer(Trainer):
     ``<default_root_dir>/version_N/metrics.csv`` (one folder per launch, so a resumed run keeps
     the earlier metrics) and checkpoints go to ``<default_root_dir>/checkpoints``; Lightning's
     batch progress bar, model summary, sanity check and validation are off. ``global_step``
-    counts actor optimizer steps.
+    counts actor optimizer steps (on every rank).
+
+    Data parallelism: ``strategy="ppo_ddp"`` (:class:`lppo.strategy.PPODDPStrategy`) with
+    ``devices > 1`` (or ``num_nodes > 1``); Lightning's own multi-process strategies are
+    rejected with a ``ValueError`` because their model wrapper syncs gradients per backward.
 
     Args:
         *args: passed to :class:`lightning.pytorch.Trainer`.
@@ -90,4 +95,6 @@ class PPOTrainer(Trainer):
             if kwargs.get(key) is None:
                 kwargs[key] = value
         super().__init__(*args, **kwargs)
+        # Fail before any process is launched (PPOSystem.configure_model checks again).
+        check_strategy(self.strategy, self.num_devices * self.num_nodes)
         install(self)

@@ -110,9 +110,13 @@ def value_loss(
     err = (values - returns).square()
     if clip is None:
         return ValueTerms(loss=0.5 * err, clipped=torch.zeros_like(err, dtype=torch.bool))
-    v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+    delta = values - old_values
+    v_clip = old_values + torch.clamp(delta, -clip, clip)
     err_clip = (v_clip - returns).square()
-    return ValueTerms(loss=0.5 * torch.maximum(err, err_clip), clipped=err_clip > err)
+    # Only where the clamp is active can the clipped branch differ: elsewhere V_clip equals V up
+    # to rounding, which must neither flip the clip flag nor change the loss.
+    clipped = (delta.abs() > clip) & (err_clip > err)
+    return ValueTerms(loss=0.5 * torch.where(clipped, err_clip, err), clipped=clipped)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""``PPODDPStrategy``: data-parallel PPO on Lightning's DDP launcher, without the DDP wrapper.
+
+Lightning's ``DDPStrategy`` wraps the LightningModule in ``DistributedDataParallel``, which
+all-reduces gradients during every backward. lppo builds one optimizer step from any number of
+chunks and sums the gradients across ranks exactly once, when the step finishes
+(:meth:`lppo.modules.PPOModule.finish`), so the wrapper would be redundant at best and wrong or
+deadlocking at worst (ranks run different numbers of backward passes). This strategy launches
+the processes and initializes the process group exactly like ``DDPStrategy`` (``gloo`` on CPU,
+``nccl`` on CUDA unless ``process_group_backend`` says otherwise), broadcasts rank 0's module
+states once, and leaves the module unwrapped.
+
+Use it as ``--trainer.strategy ppo_ddp`` (the name is registered in Lightning's
+``StrategyRegistry`` when :mod:`lppo.trainer` is imported), ``--trainer.strategy
+lppo.strategy.PPODDPStrategy``, or ``PPOTrainer(strategy=PPODDPStrategy(), devices=2)``.
+
+Data layout: rank 0 generates and rewards each
+iteration's rollout and broadcasts it, so every rank holds *all* rows in its own (rank-local)
+replay store; every rank scores all rows and computes the advantages of all rows (redundant
+but identical), then each rank trains only its shard of the chunks of every optimizer step.
+Generating on rank 0 alone leaves the other ranks idle during rollout; letting each rank
+generate its own share is a possible later improvement.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+
+#: Name of :class:`PPODDPStrategy` in Lightning's ``StrategyRegistry``.
+STRATEGY_NAME = "ppo_ddp"
+
+
+class PPODDPStrategy(DDPStrategy):
+    """Multi-process data parallelism for lppo: DDP's launch and process group, no DDP wrapper.
+
+    Gradients are summed across ranks once per optimizer step by the PPO modules themselves
+    (one coalesced all-reduce in :meth:`~lppo.modules.PPOModule.finish`), diagnostics once per
+    step, advantage-whitening moments once per iteration. Each rank holds every row of the
+    iteration (rank 0's rollout is broadcast; rollouts are not yet split across ranks), scores
+    all of them, and trains its own shard of every step's chunks.
+
+    The replay store must be rank-local (each process its own, like the default
+    :class:`~lppo.replay.MemoryReplayStore`): every rank puts, scores and releases all rows.
+    Each step's chunks are dealt round-robin over the ranks; a rank without a real chunk trains
+    a zero-weight padding chunk, so ``data.max_tokens_per_chunk`` should be small enough for
+    every step to have at least as many chunks as ranks.
+
+    Args:
+        accelerator: see ``DDPStrategy``.
+        parallel_devices: see ``DDPStrategy``.
+        cluster_environment: see ``DDPStrategy``.
+        checkpoint_io: see ``DDPStrategy``.
+        precision_plugin: see ``DDPStrategy``.
+        process_group_backend: ``torch.distributed`` backend; ``None`` picks ``nccl`` on CUDA
+            devices and ``gloo`` otherwise.
+        timeout: timeout of collective operations.
+        start_method: how processes are started (``popen`` re-runs the launching command, as
+            ``strategy="ddp"`` does; ``spawn``/``fork`` as ``ddp_spawn``/``ddp_fork``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+
+    def configure_ddp(self) -> None:
+        """Leave the module unwrapped; make every rank start from rank 0's module states."""
+        assert isinstance(self.model, LightningModule)
+        broadcast_module_states(self.model)
+
+
+def broadcast_module_states(module: nn.Module, src: int = 0) -> None:
+    """Copy ``src``'s parameters and buffers into every rank (one broadcast per device/dtype).
+
+    A no-op without an initialized process group of more than one rank.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) in seen or tensor.numel() == 0:
+            continue
+        seen.add(id(tensor))
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for (_, dtype), tensors in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            if dtype == torch.bool:
+                flat = flat.to(torch.uint8)
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t).to(dtype))
+                offset += n
+
+
+def check_strategy(strategy: Any, world_size: int) -> None:
+    """Reject multi-process strategies other than :class:`PPODDPStrategy`.
+
+    Raises:
+        ValueError: ``world_size > 1`` with another strategy, naming ``trainer.strategy`` and
+            the fix.
+    """
+    if world_size <= 1 or isinstance(strategy, PPODDPStrategy):
+        return
+    raise ValueError(
+        f"trainer.strategy={type(strategy).__name__} with trainer.devices x trainer.num_nodes = "
+        f"{world_size} processes is not supported: Lightning's own multi-process strategies "
+        "wrap (or shard) the model so that gradients are synced on every backward, while lppo "
+        "sums them across ranks once per optimizer step. Use "
+        f"trainer.strategy={STRATEGY_NAME} (lppo.strategy.PPODDPStrategy), or trainer.devices=1."
+    )
+
+
+if STRATEGY_NAME not in StrategyRegistry:
+    StrategyRegistry.register(
+        STRATEGY_NAME,
+        PPODDPStrategy,
+        description="lppo data parallelism: DDP launch and process group, no DDP wrapper",
+    )

@@ -1,0 +1,118 @@
+"""A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
+
+Run as ``python ddp_fit_worker.py --devices N --out DIR``. With ``N > 1`` the fit uses
+:class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this script for ranks ``1..N-1`` (so it
+must not run under pytest, whose command would be relaunched instead). Every rank writes
+``DIR/rank<R>.json`` (the chunks it trained per step, global step, rows left in its store) and
+``DIR/state<R>.pt`` (the final actor + critic parameters); rank 0's logger writes
+``DIR/run/version_0/metrics.csv``. Ranks > 0 perturb their freshly built models, so the parity
+also checks that the strategy starts every rank from rank 0's parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lppo.config import PPOConfig
+from lppo.data import ReplayDataModule
+from lppo.hooks import IterationContext, PPOCallback
+from lppo.models import HFCausalLM
+from lppo.modules import ActorModule, CriticModule
+from lppo.strategy import PPODDPStrategy
+from lppo.system import PPOSystem, RolloutSettings
+from lppo.tasks import CopyTask
+from lppo.trainer import PPOTrainer
+
+ITERATIONS = 2
+MAX_TOKENS_PER_CHUNK = 24
+
+
+def spec(seed: int) -> HFCausalLM:
+    return HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed)
+
+
+class PerturbedOnOtherRanks(PPOSystem):
+    """Ranks > 0 build their models differently: the strategy must broadcast rank 0's states."""
+
+    def configure_model(self) -> None:
+        built = self.controller is not None
+        super().configure_model()
+        if not built and self._trainer is not None and self.trainer.global_rank > 0:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(0.1)
+
+
+class RecordPlans(PPOCallback):
+    """Records the chunks this rank trains in every step; writes them at the end of the fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_step_start(self, ctx: IterationContext) -> None:
+        assert ctx.plan is not None
+        self.steps.append(
+            {
+                "iteration": ctx.iteration,
+                "phase": ctx.phase,
+                "epoch": ctx.epoch,
+                "minibatch": ctx.minibatch,
+                "chunks": [list(c) for c in ctx.plan.chunks],
+            }
+        )
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        dist = torch.distributed
+        rank = trainer.global_rank
+        store = pl_module.controller.data.store
+        record = {
+            "rank": rank,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "global_step": trainer.global_step,
+            "rows_left": len(store.meta().ids),
+            "steps": self.steps,
+        }
+        (self.out / f"rank{rank}.json").write_text(json.dumps(record))
+        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        torch.save(state, self.out / f"state{rank}.pt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    system = PerturbedOnOtherRanks(
+        actor=ActorModule(spec(0), lr=3e-3),
+        critic=CriticModule(spec(1), lr=3e-3),
+        task=CopyTask(),
+        rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens=4),
+        ppo=PPOConfig(critic_epochs=2, actor_minibatches=2, kl_coef=0.05),
+        num_threads=1,
+    )
+    strategy: Any = PPODDPStrategy() if args.devices > 1 else "auto"
+    trainer = PPOTrainer(
+        max_epochs=ITERATIONS,
+        default_root_dir=str(args.out / "run"),
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        callbacks=[RecordPlans(args.out)],
+    )
+    data = ReplayDataModule(max_tokens_per_chunk=MAX_TOKENS_PER_CHUNK)
+    trainer.fit(system, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Data-parallel fits through Lightning: ``PPODDPStrategy`` on 2 gloo processes equals 1 process.
+
+The multi-process fits run as standalone scripts in subprocesses: ``strategy="ddp"``-style
+launching inside pytest would re-run the pytest command in the child process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lppo.planner import ChunkPlanner
+from lppo.strategy import PPODDPStrategy, check_strategy
+from lppo.trainer import PPOTrainer
+from lppo.types import RowMeta
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("ddp_fit_worker.py")
+TIMEOUT_S = 240
+PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6
+METRIC_RTOL, METRIC_ATOL = 1e-5, 1e-7
+
+#: Logged per-step / per-iteration metrics that must agree (up to float32 summation order).
+#: ``*/clip_fraction`` is left out: the value-clip indicator compares two float32 losses that
+#: differ only by rounding when no clipping happens, so it flips with summation order.
+CLOSE_METRICS = (
+    "critic/loss",
+    "critic/grad_norm",
+    "critic/explained_variance",
+    "critic/value_mean",
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/approx_kl",
+    "actor/entropy",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/response_length_mean",
+)
+#: Logged values that must be identical (global quantities, not per-rank ones).
+EQUAL_METRICS = (
+    "iteration",
+    "critic/valid_tokens",
+    "critic/stepped",
+    "critic/epoch",
+    "actor/valid_tokens",
+    "actor/stepped",
+    "actor/minibatch",
+    "actor/lr",
+)
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """Start ``python *args`` (which may launch more ranks)."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a timeout kills the other ranks too
+    )
+
+
+def finish(proc: subprocess.Popen, args: list[str]) -> str:
+    """Wait for ``proc``; fail with its output if it fails or times out."""
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"`{' '.join(args)}` timed out after {TIMEOUT_S}s:\n{out}")
+    if proc.returncode != 0:
+        pytest.fail(f"`{' '.join(args)}` exited with {proc.returncode}:\n{out}")
+    return out
+
+
+def run_script(args: list[str], cwd: Path) -> str:
+    """Run ``python *args`` to completion; fail with its output if it fails."""
+    return finish(start(args, cwd), args)
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def close(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= METRIC_ATOL + METRIC_RTOL * max(abs(a), abs(b))
+
+
+# ------------------------------------------------------------------ fast checks, no launch
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", DDPStrategy()])
+def test_lightning_ddp_with_two_devices_is_rejected(strategy, tmp_path):
+    message = r"trainer\.strategy=DDPStrategy .*trainer\.strategy=ppo_ddp"
+    with pytest.raises(ValueError, match=message):
+        PPOTrainer(strategy=strategy, devices=2, accelerator="cpu", default_root_dir=str(tmp_path))
+
+
+def test_ppo_ddp_name_builds_the_strategy(tmp_path):
+    trainer = PPOTrainer(
+        strategy="ppo_ddp", devices=2, accelerator="cpu", default_root_dir=str(tmp_path)
+    )
+    assert type(trainer.strategy) is PPODDPStrategy
+    assert trainer.num_devices == 2
+
+
+def test_check_strategy():
+    check_strategy(DDPStrategy(), 1)  # one process: no gradient sync to conflict with
+    check_strategy(PPODDPStrategy(), 4)
+    with pytest.raises(ValueError, match=r"trainer\.devices=1"):
+        check_strategy(DDPStrategy(), 2)
+
+
+def test_unsharded_plans_cover_all_rows_and_training_is_sharded():
+    meta = RowMeta(
+        ids=tuple(range(10)),
+        lengths=tuple(6 + i % 4 for i in range(10)),
+        valid_tokens=tuple(2 + i % 3 for i in range(10)),
+    )
+    whole = ChunkPlanner(20)
+    ranks = [ChunkPlanner(20, world_size=2, rank=r) for r in range(2)]
+    for phase in ("score", "advantages"):  # the controller plans these with shard=False
+        want = whole.plan(meta, phase=phase, iteration=3)
+        for planner in ranks:
+            assert planner.plan(meta, phase=phase, iteration=3, shard=False) == want
+    for phase in ("critic", "actor"):
+        want = whole.plan(meta, phase=phase, iteration=3, minibatches=2)
+        plans = [p.plan(meta, phase=phase, iteration=3, minibatches=2) for p in ranks]
+        for k, step in enumerate(want.steps):
+            mine = [plan.steps[k] for plan in plans]
+            assert all(s.normalizers == step.normalizers for s in mine)
+            assert len(mine[0].chunks) == len(mine[1].chunks)
+            real = [c for s in mine for c in s.chunks if c]
+            assert Counter(real) == Counter(step.chunks)
+
+
+# ------------------------------------------------------------- launched multi-process fits
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_train_like_one(tmp_path):
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    single.mkdir()
+    dp.mkdir()
+    jobs = [
+        [str(WORKER), "--devices=2", f"--out={dp}"],
+        [str(WORKER), "--devices=1", f"--out={single}"],
+    ]
+    procs = [start(args, tmp_path) for args in jobs]  # concurrently: 3 single-thread processes
+    try:
+        for proc, args in zip(procs, jobs, strict=True):
+            finish(proc, args)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    [one] = [json.loads((single / "rank0.json").read_text())]
+    ranks = [json.loads((dp / f"rank{r}.json").read_text()) for r in range(2)]
+    assert one["world_size"] == 1
+    for r, record in enumerate(ranks):
+        assert (record["rank"], record["world_size"]) == (r, 2)
+        assert record["strategy"] == "PPODDPStrategy"
+        assert record["backend"] == "gloo"
+        assert record["global_step"] == one["global_step"] == 4  # 2 iterations x 2 actor steps
+        assert record["rows_left"] == 0  # every rank released its rows
+    assert one["rows_left"] == 0
+
+    # Same steps everywhere; each step's chunks are split between the ranks (equal chunk
+    # counts thanks to padding), together exactly the single process's chunks.
+    keys = ("iteration", "phase", "epoch", "minibatch")
+    steps = [[tuple(s[k] for k in keys) for s in rec["steps"]] for rec in (one, *ranks)]
+    assert steps[0] == steps[1] == steps[2]
+    rows_per_rank: list[set[int]] = [set(), set()]
+    for k, want in enumerate(one["steps"]):
+        mine = [rec["steps"][k]["chunks"] for rec in ranks]
+        assert len(mine[0]) == len(mine[1])
+        real = [tuple(c) for chunks in mine for c in chunks if c]
+        assert Counter(real) == Counter(tuple(c) for c in want["chunks"]), want
+        for r in range(2):
+            rows_per_rank[r].update(i for c in mine[r] for i in c)
+    assert rows_per_rank[0] and rows_per_rank[1]  # both ranks really trained
+    assert any(
+        sum(1 for c in rec["steps"][k]["chunks"] if c) < len(one["steps"][k]["chunks"])
+        for rec in ranks
+        for k in range(len(one["steps"]))
+    )
+
+    # Parameters: both ranks hold the same weights, equal to one process's (float32, other
+    # summation order); rank 1 started from perturbed weights, so rank 0's were broadcast.
+    want = torch.load(single / "state0.pt")
+    got = [torch.load(dp / f"state{r}.pt") for r in range(2)]
+    assert got[0].keys() == got[1].keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[0][name], got[1][name]), name
+        torch.testing.assert_close(
+            got[0][name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+    # Logged metrics (rank 0 only logs): the same rows, the same values.
+    a = read_metrics(single / "run" / "version_0" / "metrics.csv")
+    b = read_metrics(dp / "run" / "version_0" / "metrics.csv")
+    assert not (dp / "run" / "version_1").exists()
+    assert len(a) == len(b) > 0
+    compared = Counter()
+    for row_a, row_b in zip(a, b, strict=True):
+        for key in (*CLOSE_METRICS, *EQUAL_METRICS):
+            assert (row_a.get(key) or "") == "" or key in row_b, key
+            if not row_a.get(key):
+                assert not row_b.get(key), key
+                continue
+            x, y = float(row_a[key]), float(row_b[key])
+            ok = x == y if key in EQUAL_METRICS else close(x, y)
+            assert ok, (key, row_a["step"], x, y)
+            compared[key] += 1
+    for key in ("critic/loss", "actor/loss", "critic/grad_norm", "actor/grad_norm"):
+        assert compared[key] >= 4, compared
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_cli_fit_on_two_processes(tmp_path):
+    run = tmp_path / "run"
+    out = run_script(
+        [
+            "-m",
+            "lppo.cli",
+            "fit",
+            f"--config={ROOT / 'configs' / 'tiny.yaml'}",
+            "--trainer.devices=2",
+            "--trainer.accelerator=cpu",
+            "--trainer.strategy=ppo_ddp",
+            "--trainer.max_epochs=1",
+            f"--trainer.default_root_dir={run}",
+            "--model.rollout.prompts_per_iteration=4",
+            "--data.max_tokens_per_chunk=24",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Starting with 2 processes" in out
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 1
+    rows = read_metrics(run / "version_0" / "metrics.csv")
+    assert any(row.get("actor/loss") for row in rows)
+    assert "strategy: ppo_ddp" in (run / "version_0" / "config.yaml").read_text()
