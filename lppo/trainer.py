@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger
 
 from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
 from lppo.loop import install
@@ -80,8 +80,6 @@ class PPOTrainer(Trainer):
         if logger is True or logger is None:
             # One version folder per launch: a resumed run never overwrites earlier metrics.
             kwargs["logger"] = CSVLogger(root, name="")
-        elif isinstance(logger, Logger):
-            kwargs["logger"] = logger
         callbacks = list(kwargs.get("callbacks") or [])
         for cb in default_callbacks():
             if not any(isinstance(c, type(cb)) for c in callbacks):
