@@ -10,8 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lppo.hooks import PPOCallback
-from lppo.types import StepStats
+from lppo.hooks import IterationContext, PPOCallback
+from lppo.types import IterationResult, StepStats
 
 #: Rollout statistics logged as ``rollout/<name>`` (missing ones are logged as NaN).
 ROLLOUT_KEYS: tuple[str, ...] = (
@@ -91,9 +91,9 @@ def _last_epoch_mean_loss(steps: list[StepStats]) -> float:
 class PPOMetricsLogger(PPOCallback):
     """Sends each RL iteration's metrics to every logger of the trainer.
 
-    At ``on_train_epoch_end`` it reads ``pl_module.last_result``
-    (:class:`~lppo.controller.IterationResult`) and calls ``logger.log_metrics(row, step=...)``
-    on each of ``trainer.loggers``:
+    At ``on_iteration_end`` it takes the iteration's :class:`~lppo.types.IterationResult` and
+    calls ``logger.log_metrics(row, step=...)`` on each of the trainer's loggers (nothing is
+    logged without a trainer):
 
     * one row per critic / actor optimizer step of the iteration (every epoch and minibatch):
       ``<role>/loss``, ``<role>/grad_norm``, ``<role>/clip_fraction``, ``<role>/lr``,
@@ -122,11 +122,12 @@ class PPOMetricsLogger(PPOCallback):
         self.history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ hooks
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log the iteration that just finished (``pl_module.last_result``)."""
-        result = getattr(pl_module, "last_result", None)
-        if result is None:
+    def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
+        """Log the iteration that just finished."""
+        trainer = ctx.trainer
+        if trainer is None:
             return
+        pl_module = trainer.lightning_module
         if self.history and self.history[-1]["iteration"] == result.iteration:
             return  # already logged (hook called twice for the same iteration)
         iteration = int(result.iteration)

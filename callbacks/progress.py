@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
 
 from lppo.hooks import IterationContext, PPOCallback
+from lppo.types import IterationResult
 
 
 def _fmt(value: float) -> str:
@@ -58,7 +59,7 @@ class PPOProgress(PPOCallback):
         self.tty = tty
         self.every_n_iterations = every_n_iterations
         self.total: int | None = None
-        self._trainer: Any = None
+        self._known_trainer: Any = None
         self._last_draw = 0.0
         self._width = 0
         self._num_chunks: int | None = None
@@ -99,7 +100,7 @@ class PPOProgress(PPOCallback):
 
     def position(self, ctx: IterationContext) -> str:
         """The position line for ``ctx``."""
-        config = getattr(ctx.controller, "config", None)
+        config = ctx.config
         epochs = getattr(config, f"{ctx.phase}_epochs", None)
         parts = [self._iteration_text(ctx.iteration), f"phase {ctx.phase}"]
         if ctx.epoch >= 0:
@@ -122,16 +123,13 @@ class PPOProgress(PPOCallback):
         self._remember(trainer)
 
     def _remember(self, trainer: Any) -> None:
-        self._trainer = trainer
+        self._known_trainer = trainer
         max_epochs = getattr(trainer, "max_epochs", None)
         self.total = max_epochs if max_epochs is not None and max_epochs >= 0 else None
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
         """Print the iteration's compact summary line."""
-        if self._trainer is None:
-            self._remember(trainer)
-        result = getattr(pl_module, "last_result", None)
-        if result is None or not self._rank_zero(trainer):
+        if not self._rank_zero(self._ctx_trainer(ctx)):
             return
         iteration = int(result.iteration)
         last = self.total is not None and iteration + 1 >= self.total
@@ -150,8 +148,8 @@ class PPOProgress(PPOCallback):
 
     # ------------------------------------------------------------------ lppo hooks
     def _ctx_trainer(self, ctx: IterationContext) -> Any:
-        trainer = ctx.trainer if ctx.trainer is not None else self._trainer
-        if trainer is not None and trainer is not self._trainer:
+        trainer = ctx.trainer if ctx.trainer is not None else self._known_trainer
+        if trainer is not None and trainer is not self._known_trainer:
             self._remember(trainer)
         return trainer
 
@@ -178,7 +176,7 @@ class PPOProgress(PPOCallback):
         """On a log file, print one line when a phase's last epoch ends."""
         if self._is_tty() or not self._rank_zero(self._ctx_trainer(ctx)):
             return
-        config = getattr(ctx.controller, "config", None)
+        config = ctx.config
         epochs = getattr(config, f"{ctx.phase}_epochs", None)
         if epochs is not None and ctx.epoch + 1 < epochs:
             return

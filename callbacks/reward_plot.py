@@ -8,7 +8,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lppo.hooks import PPOCallback
+from lppo.hooks import IterationContext, PPOCallback
+from lppo.types import IterationResult
 
 
 def run_dir(trainer: pl.Trainer) -> str:
@@ -22,7 +23,7 @@ def run_dir(trainer: pl.Trainer) -> str:
 class RewardCurve(PPOCallback):
     """Collects ``rollout/reward_mean`` ± ``reward_std`` per iteration and plots them.
 
-    Points are read from ``pl_module.last_result`` at every ``on_train_epoch_end`` and kept in
+    Points are read from the ``IterationResult`` of every ``on_iteration_end`` and kept in
     :meth:`state_dict`, so a resumed run plots the whole curve. At ``on_train_end`` the global
     rank zero writes a PNG (matplotlib, Agg canvas) to ``<dirpath>/<filename>``.
 
@@ -62,11 +63,8 @@ class RewardCurve(PPOCallback):
         """Resolve :attr:`path` early so other callbacks can report it."""
         self.resolve_path(trainer)
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
         """Record the reward of the iteration that just finished."""
-        result = getattr(pl_module, "last_result", None)
-        if result is None:
-            return
         point = (
             int(result.iteration),
             float(result.rollout.get("reward_mean", math.nan)),

@@ -12,7 +12,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks.reward_plot import RewardCurve, run_dir
 
-from lppo.hooks import PPOCallback
+from lppo.hooks import IterationContext, PPOCallback
+from lppo.types import IterationResult
 
 
 def _finite_mean(values: list[float]) -> float | None:
@@ -34,7 +35,7 @@ class RunSummary(PPOCallback):
     :class:`~lightning.pytorch.loggers.CSVLogger`), the :class:`RewardCurve` PNG, and the
     checkpoint folder / best and last checkpoints of ``trainer.checkpoint_callback``.
 
-    Rewards are collected from ``pl_module.last_result`` at each ``on_train_epoch_end`` and kept
+    Rewards are collected from the ``IterationResult`` of each ``on_iteration_end`` and kept
     in :meth:`state_dict`.
 
     Args:
@@ -63,11 +64,8 @@ class RunSummary(PPOCallback):
         """Start the wall clock."""
         self._start = time.monotonic()
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
         """Record the reward of the iteration that just finished."""
-        result = getattr(pl_module, "last_result", None)
-        if result is None:
-            return
         iteration = int(result.iteration)
         reward = float(result.rollout.get("reward_mean", math.nan))
         self.rewards = [r for r in self.rewards if r[0] != iteration]

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from lppo.modules import ActorModule, CriticModule, shifted_logprobs
+from lppo.stats import SumStats
 from lppo.tasks import Prompt, Task
-from lppo.types import Chunk, SumStats
+from lppo.types import Chunk
 
 
 class TrustRegionActor(ActorModule):

@@ -70,6 +70,12 @@ def collate(row_ids: Sequence[int], columns: dict[str, list[torch.Tensor]]) -> C
     )
 
 
+def unpad(chunk: Chunk, values: torch.Tensor) -> list[torch.Tensor]:
+    """Split ``[B, T]`` values of ``chunk`` back into one ``[L_i]`` tensor per row (on CPU)."""
+    lengths = chunk.attention_mask.sum(dim=1).tolist()
+    return [values[b, :n].detach().cpu().clone() for b, n in enumerate(lengths)]
+
+
 def read_chunk(store: ReplayStore, row_ids: Sequence[int], names: Sequence[str]) -> Chunk:
     """Read ``row_ids`` with columns ``names`` (plus ids and mask) and pad them into a chunk."""
     wanted = [INPUT_IDS, RESPONSE_MASK, *(n for n in names if n not in (INPUT_IDS, RESPONSE_MASK))]

@@ -1,12 +1,21 @@
 """The single controller: one RL iteration, phase by phase, over streamed replay chunks.
 
+An iteration (:meth:`PPOController.run_iteration`) is, in order:
+
+1. **collect**: the rollout's rows get ids from the store and are ``put`` into it;
+2. **score**: π_old log-probabilities, reference log-probabilities and old values, streamed
+   chunk by chunk and written back as columns;
+3. **advantages**: the advantage estimator (``GAE`` by default) writes advantages and returns;
+4. **critic epochs**, then 5. **actor epochs**: ``begin → train_chunk* → finish`` per step;
+6. **release**: the rows leave the store exactly once.
+
+Optimizer steps, row retention and abort cleanup are done by callbacks (:mod:`lppo.callbacks`)
+that receive the controller's hooks; the controller installs the three built-ins when they
+are absent (the one place they are installed) and checks that the rows were released.
+
 Under data parallelism every rank holds all of the iteration's rows in its own replay store:
 scoring and advantages run over every row on every rank (identical results), and only the
 critic and actor steps are sharded across ranks.
-
-``collect → score → advantages → critic epochs → actor epochs → release``. Optimizer steps,
-row retention and abort cleanup are done by callbacks (:mod:`lppo.callbacks`) that receive the
-controller's hooks; the three built-ins are always installed.
 """
 
 from __future__ import annotations
@@ -14,16 +23,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-from lppo.algorithms import Moments, advantages_and_returns, kl_penalty, token_rewards, whiten
+from lppo.chunks import unpad
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
+from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule, PPOModule
+from lppo.parallel import SINGLE, ParallelContext
 from lppo.types import (
     ADVANTAGES,
     OLD_LOGPROBS,
@@ -32,44 +43,23 @@ from lppo.types import (
     RETURNS,
     REWARD,
     VALUES,
-    Chunk,
+    IterationResult,
     Rollout,
-    StepStats,
+    StepPlan,
 )
+
+__all__ = ["IterationError", "IterationResult", "PPOController", "disable_dropout"]
 
 
 class IterationError(RuntimeError):
     """An iteration failed; the message says where (iteration, phase, epoch, chunk)."""
 
 
-@dataclass
-class IterationResult:
-    """What one RL iteration did.
-
-    Attributes:
-        iteration: RL iteration index.
-        rollout: rollout metrics (``reward_mean``, ``reward_std``, ``response_length_mean``,
-            ``invalid_rows``, ``dropped_rows``, ``kl_mean``).
-        steps: stats of every critic and actor step, in order.
-        seconds: wall time per phase.
-        tokens: real tokens processed per training phase.
-    """
-
-    iteration: int
-    rollout: dict[str, float]
-    steps: list[StepStats]
-    seconds: dict[str, float] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
-
-    def phase_steps(self, role: str) -> list[StepStats]:
-        """Steps of ``role`` (``actor`` or ``critic``)."""
-        return [s for s in self.steps if s.role == role]
-
-
-def _unpad(chunk: Chunk, values: torch.Tensor) -> list[torch.Tensor]:
-    """Split ``[B, T]`` back into one ``[L_i]`` tensor per row of ``chunk``."""
-    lengths = chunk.attention_mask.sum(dim=1).tolist()
-    return [values[b, :n].detach().cpu().clone() for b, n in enumerate(lengths)]
+def disable_dropout(module: nn.Module) -> None:
+    """Set the probability of every ``nn.Dropout`` (and subclass) inside ``module`` to 0."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
 
 
 class PPOController:
@@ -83,7 +73,11 @@ class PPOController:
         reference: frozen reference policy for the KL penalty (needed when
             ``config.kl_coef > 0``).
         callbacks: extra callbacks; the built-in optimizer-step, row-retention and
-            abort-cleanup callbacks are added when not given.
+            abort-cleanup callbacks are added after them when not given.
+        estimator: the advantage estimator (default :class:`~lppo.estimators.GAE`).
+        parallel: the process groups; the actor, critic and planner use its data-parallel
+            group.
+        trainer: the Lightning trainer when run under one (handed to the hooks).
     """
 
     def __init__(
@@ -94,6 +88,9 @@ class PPOController:
         config: PPOConfig | None = None,
         reference: ActorModule | None = None,
         callbacks: Sequence[PPOCallback] = (),
+        estimator: AdvantageEstimator | None = None,
+        parallel: ParallelContext | None = None,
+        trainer: Any = None,
     ) -> None:
         from lppo.callbacks import AbortCleanup, OptimizerStep, RowRetention
 
@@ -101,39 +98,53 @@ class PPOController:
         self.critic = critic
         self.data = data
         self.config = config if config is not None else PPOConfig()
-        self.config.validate()
         if self.config.kl_coef > 0 and reference is None:
             raise ValueError(
-                f"ppo.kl_coef={self.config.kl_coef} needs a reference policy; pass reference= "
-                "(PPOSystem builds a frozen copy of the actor) or set ppo.kl_coef=0."
+                f"model.ppo.kl_coef={self.config.kl_coef} needs a reference policy; pass "
+                "reference= (PPOSystem builds a frozen copy of the actor) or set kl_coef=0."
             )
         self.reference = reference
+        self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
+        self.parallel = parallel if parallel is not None else ParallelContext()
+        for module in (actor, critic):
+            module.parallel = self.parallel
+        if self.config.disable_dropout:
+            for module in (actor, critic, reference):
+                if module is not None:
+                    disable_dropout(module)
         self.callbacks: list[PPOCallback] = list(callbacks)
         for builtin in (OptimizerStep, RowRetention, AbortCleanup):
             if not any(isinstance(cb, builtin) for cb in self.callbacks):
                 self.callbacks.append(builtin())
-        self.next_row_id = 0
-        self.trainer: Any = None
+        self.trainer = trainer
 
-    # ----------------------------------------------------------------- public
-    def trainable_modules(self) -> list[PPOModule]:
+    def trainable_modules(self) -> tuple[PPOModule, ...]:
         """The modules that take optimizer steps."""
-        return [self.critic, self.actor]
+        return (self.critic, self.actor)
 
-    def run_iteration(self, rollout: Rollout, iteration: int, dropped: int = 0) -> IterationResult:
+    def run_iteration(
+        self, rollout: Rollout, iteration: int, dropped: int = 0, rollout_seconds: float = 0.0
+    ) -> IterationResult:
         """Run one RL iteration on ``rollout``; rows are released whatever happens.
 
         Args:
             rollout: the iteration's samples (already scored by the reward function).
             iteration: iteration index (seeds the shuffles; decides critic warmup).
             dropped: samples lost before reaching the store (count against the drop budget).
+            rollout_seconds: time spent generating ``rollout`` (reported, not used).
 
         Raises:
             IterationError: anything failed; open steps were aborted and rows released.
         """
-        ctx = IterationContext(controller=self, iteration=iteration, trainer=self.trainer)
+        ctx = IterationContext(
+            iteration=iteration,
+            store=self.data.store,
+            modules=self.trainable_modules(),
+            config=self.config,
+            trainer=self.trainer,
+        )
         try:
-            return self._run(ctx, rollout, dropped)
+            return self._run(ctx, rollout, dropped, rollout_seconds)
         except BaseException as error:
             where = ctx.where()
             self._abort(ctx, error)
@@ -141,53 +152,55 @@ class PPOController:
                 raise
             raise IterationError(f"{where}: {type(error).__name__}: {error}") from error
 
-    def state_dict(self) -> dict[str, Any]:
-        """Controller state at an iteration boundary."""
-        return {"next_row_id": self.next_row_id}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.next_row_id = int(state["next_row_id"])
-
     # ----------------------------------------------------------------- phases
-    def _run(self, ctx: IterationContext, rollout: Rollout, dropped: int) -> IterationResult:
+    def _run(
+        self, ctx: IterationContext, rollout: Rollout, dropped: int, rollout_seconds: float
+    ) -> IterationResult:
         cfg = self.config
+        seconds = {"rollout": rollout_seconds}
+        tokens = {"rollout": sum(int(m.sum()) for m in rollout.response_mask)}
         clock = time.perf_counter()
-        seconds: dict[str, float] = {}
+
+        # 1. collect
         stats = self._collect(ctx, rollout, dropped)
-        seconds["collect"] = time.perf_counter() - clock
+        clock = _lap(seconds, "collect", clock)
 
+        # 2. score
         ctx.phase = "score"
-        clock = time.perf_counter()
-        score_plan = self.data.plan(
-            ctx.row_ids, "score", ctx.iteration, dropped=dropped, shard=False
-        )
-        valid = score_plan.valid_rows
-        stats["invalid_rows"] = float(len(score_plan.invalid_rows))
-        self._score(ctx, valid)
-        seconds["score"] = time.perf_counter() - clock
+        plan = self.data.plan(ctx.row_ids, "score", ctx.iteration, dropped=dropped, shard=False)
+        stats["invalid_rows"] = float(len(plan.invalid_rows))
+        step = plan.steps[0]
+        self._score(ctx, step)
+        clock = _lap(seconds, "score", clock)
 
+        # 3. advantages (every rank holds and scores every row: nothing to reduce over ranks)
         ctx.phase = "advantages"
-        clock = time.perf_counter()
-        stats["kl_mean"] = self._advantages(ctx, valid)
-        seconds["advantages"] = time.perf_counter() - clock
+        inputs = EstimatorInputs(self.data.store, step, SINGLE, cfg.kl_coef, cfg.kl_kind)
+        stats.update(self.estimator.estimate(inputs))
+        clock = _lap(seconds, "advantages", clock)
 
-        tokens: dict[str, int] = {}
+        # 4. critic epochs, 5. actor epochs (none during critic warmup)
         phases = [("critic", self.critic, cfg.critic_epochs, cfg.critic_minibatches)]
         if ctx.iteration >= cfg.critic_warmup_iterations:
             phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
         for phase, module, epochs, minibatches in phases:
-            clock = time.perf_counter()
             first = len(ctx.step_stats)
             self._train_phase(ctx, phase, module, epochs, minibatches, dropped)
-            seconds[phase] = time.perf_counter() - clock
+            clock = _lap(seconds, phase, clock)
             tokens[phase] = sum(s.tokens for s in ctx.step_stats[first:])
 
+        # 6. release: RowRetention releases the rows in on_iteration_end
         ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = "release", -1, -1, -1
         ctx.module = ctx.plan = None
-        self._emit("on_iteration_end", ctx)
-        ctx.release_rows()  # no-op when RowRetention already released them
-        return IterationResult(ctx.iteration, stats, list(ctx.step_stats), seconds, tokens)
+        result = IterationResult(ctx.iteration, stats, list(ctx.step_stats), seconds, tokens)
+        self._emit("on_iteration_end", ctx, result)
+        if not ctx.rows_released:
+            raise RuntimeError(
+                "the iteration's rows were not released in on_iteration_end; keep "
+                "lppo.callbacks.RowRetention (or a subclass that calls its release) in the "
+                "callbacks."
+            )
+        return result
 
     def _collect(self, ctx: IterationContext, rollout: Rollout, dropped: int) -> dict[str, float]:
         """Mark invalid rows, put the rollout into the store, report rollout statistics."""
@@ -202,9 +215,8 @@ class PPOController:
                 masks[i] = torch.zeros_like(masks[i])
             if bad_reward:
                 rewards[i] = torch.zeros_like(reward)
-        ids = tuple(range(self.next_row_id, self.next_row_id + len(rollout)))
+        ids = self.data.store.allocate(len(rollout))
         self.data.store.put(ids, columns)
-        self.next_row_id += len(rollout)
         ctx.row_ids = ids
         self._emit("on_rollout_end", ctx)
         finite = rollout.reward[torch.isfinite(rollout.reward)].double()
@@ -217,60 +229,20 @@ class PPOController:
         }
 
     @torch.no_grad()
-    def _score(self, ctx: IterationContext, rows: Sequence[int]) -> None:
+    def _score(self, ctx: IterationContext, step: StepPlan) -> None:
         """Write π_old log-probabilities, reference log-probabilities and old values."""
-        step = self.data.plan(rows, "score", ctx.iteration, shard=False).steps[0]
         for c, chunk in enumerate(self.data.stream(step, [])):
             if chunk.is_padding:
                 continue
             ctx.chunk = c
             columns = {
-                OLD_LOGPROBS: _unpad(chunk, self.actor.score(chunk)),
-                VALUES: _unpad(chunk, self.critic.score(chunk)),
+                OLD_LOGPROBS: unpad(chunk, self.actor.score(chunk)),
+                VALUES: unpad(chunk, self.critic.score(chunk)),
             }
             if self.reference is not None:
-                columns[REF_LOGPROBS] = _unpad(chunk, self.reference.score(chunk))
+                columns[REF_LOGPROBS] = unpad(chunk, self.reference.score(chunk))
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
-
-    @torch.no_grad()
-    def _advantages(self, ctx: IterationContext, rows: Sequence[int]) -> float:
-        """GAE with the KL penalty in the reward; whitening over all valid tokens."""
-        cfg = self.config
-        use_kl = self.reference is not None
-        names = [REWARD, VALUES, OLD_LOGPROBS] + ([REF_LOGPROBS] if use_kl else [])
-        step = self.data.plan(rows, "advantages", ctx.iteration, shard=False).steps[0]
-        moments, kl_sum, kl_count = Moments(), 0.0, 0
-        for c, chunk in enumerate(self.data.stream(step, names)):
-            if chunk.is_padding:
-                continue
-            ctx.chunk = c
-            mask = chunk.response_mask
-            assert chunk.reward is not None and chunk.values is not None
-            kl = None
-            if use_kl:
-                assert chunk.old_logprobs is not None and chunk.ref_logprobs is not None
-                kl = kl_penalty(chunk.old_logprobs, chunk.ref_logprobs, cfg.kl_kind)
-                kl_sum += float(kl[mask].double().sum())
-                kl_count += int(mask.sum())
-            rewards = token_rewards(chunk.reward, mask, kl, cfg.kl_coef)
-            adv, ret = advantages_and_returns(
-                rewards, chunk.values, mask, cfg.gamma, cfg.lam, cfg.lam_returns
-            )
-            moments.update(adv, mask)
-            self.data.store.write(
-                chunk.row_ids, {ADVANTAGES: _unpad(chunk, adv), RETURNS: _unpad(chunk, ret)}
-            )
-        ctx.chunk = -1
-        if cfg.whiten_advantages:
-            moments.all_reduce()
-            for chunk in self.data.stream(step, [ADVANTAGES]):
-                if chunk.is_padding:
-                    continue
-                assert chunk.advantages is not None
-                white = whiten(chunk.advantages, chunk.response_mask, moments)
-                self.data.store.write(chunk.row_ids, {ADVANTAGES: _unpad(chunk, white)})
-        return kl_sum / kl_count if kl_count else 0.0
 
     def _train_phase(
         self,
@@ -315,7 +287,19 @@ class PPOController:
                     f"lppo: {type(cb).__name__}.on_ppo_abort failed during cleanup: "
                     f"{type(cleanup_error).__name__}: {cleanup_error}"
                 )
+        if ctx.row_ids and not ctx.rows_released:
+            error.add_note(
+                f"lppo: rows {ctx.row_ids[0]}..{ctx.row_ids[-1]} of the failed iteration were "
+                "not released (no RowRetention callback released them)."
+            )
 
     def _emit(self, hook: str, ctx: IterationContext, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(ctx, *args)
+
+
+def _lap(seconds: dict[str, float], phase: str, start: float) -> float:
+    """Record the time since ``start`` as ``phase``'s; return the new start."""
+    now = time.perf_counter()
+    seconds[phase] = now - start
+    return now

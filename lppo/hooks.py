@@ -3,6 +3,8 @@
 :class:`PPOCallback` is a Lightning :class:`~lightning.pytorch.callbacks.Callback` with extra
 hooks that the controller calls during an RL iteration, so one callback object serves both
 ``Trainer(callbacks=[...])`` and the pure-Python :class:`~lppo.controller.PPOController`.
+The context carries what callbacks act on (the store, the modules, the settings), never the
+controller itself.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lppo.types import StepStats
+from lppo.config import PPOConfig
+from lppo.types import IterationResult, StepStats
 
 if TYPE_CHECKING:
-    from lppo.controller import PPOController
     from lppo.modules.lifecycle import ChunkResult, PPOModule
+    from lppo.replay.base import ReplayStore
     from lppo.types import StepPlan
 
 
@@ -25,8 +28,10 @@ class IterationContext:
     """Where an RL iteration stands; handed to every hook.
 
     Attributes:
-        controller: the running controller (gives access to store, actor, critic, data).
         iteration: RL iteration index (0-based).
+        store: the replay store holding the iteration's rows.
+        modules: the modules that take optimizer steps (critic, actor).
+        config: the algorithm settings.
         phase: ``collect``, ``score``, ``advantages``, ``critic``, ``actor`` or ``release``.
         epoch: epoch inside the phase (``-1`` outside training phases).
         minibatch: optimizer step inside the epoch (``-1`` outside training phases).
@@ -35,13 +40,16 @@ class IterationContext:
         module: the module whose step is open (actor or critic), if any.
         plan: the plan of the open step, if any.
         step_stats: statistics of every finished step of the iteration, in order.
-        rows_released: whether the iteration's rows have been released.
+        rows_released: set by the callback that released the iteration's rows (the controller
+            checks it at the end of the iteration).
         trainer: the Lightning trainer when run under one, else ``None``.
         info: free-form per-iteration values callbacks may share (e.g. timings).
     """
 
-    controller: PPOController
     iteration: int
+    store: ReplayStore
+    modules: tuple[PPOModule, ...] = ()
+    config: PPOConfig = field(default_factory=PPOConfig)
     phase: str = "collect"
     epoch: int = -1
     minibatch: int = -1
@@ -65,19 +73,6 @@ class IterationContext:
             parts.append(f"chunk {self.chunk}")
         return ", ".join(parts)
 
-    def release_rows(self) -> bool:
-        """Release the iteration's rows from the store exactly once.
-
-        Returns:
-            ``True`` when this call released them, ``False`` when they already were.
-        """
-        if self.rows_released:
-            return False
-        self.rows_released = True
-        if self.row_ids:
-            self.controller.data.store.release(self.row_ids)
-        return True
-
 
 class PPOCallback(Callback):
     """A Lightning callback that also receives lppo's iteration hooks (all no-ops here)."""
@@ -100,8 +95,8 @@ class PPOCallback(Callback):
     def on_phase_epoch_end(self, ctx: IterationContext) -> None:
         """A critic or actor epoch ended; its steps are in ``ctx.step_stats``."""
 
-    def on_iteration_end(self, ctx: IterationContext) -> None:
-        """Both phases are done and the iteration is about to be released."""
+    def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
+        """Both phases are done; ``result`` is what the iteration did (rows not yet released)."""
 
     def on_ppo_abort(self, ctx: IterationContext, error: BaseException) -> None:
         """The iteration failed at ``ctx.where()``; clean up."""

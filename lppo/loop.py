@@ -19,7 +19,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 if TYPE_CHECKING:
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import LightningModule, Trainer
 
 #: (object, attribute) pairs of Lightning private API this module relies on.
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
@@ -33,6 +33,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.loops.optimization.manual._ManualOptimization", "optim_step_progress"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_last_global_step_saved"),
     ("lightning.pytorch.core.mixins.hparams_mixin", "_given_hyperparameters"),
+    ("lightning.pytorch.LightningModule", "_trainer"),
 )
 
 
@@ -96,6 +97,11 @@ def allow_checkpoint_without_new_step(callback: ModelCheckpoint) -> None:
     warmup iterations take no actor step, yet each iteration boundary must be checkpointed.
     """
     callback._last_global_step_saved = -1
+
+
+def attached_trainer(module: LightningModule) -> Trainer | None:
+    """The trainer ``module`` is attached to, or ``None`` (``module.trainer`` raises then)."""
+    return module._trainer
 
 
 def instantiated_by_cli() -> bool:

@@ -59,8 +59,9 @@ class HFCausalLM:
         max_position_embeddings: longest supported sequence (random models only).
         dtype: parameter dtype: ``"float32"``, ``"float64"``, ``"bfloat16"`` or ``"float16"``.
         seed: seed of the random initialisation; the global RNG is left untouched.
-        attn_implementation: Hugging Face attention backend. ``"eager"`` (default) is
-            deterministic on CPU and masks left padding without NaNs.
+        attn_implementation: Hugging Face attention backend. ``"sdpa"`` (default) handles
+            the fully masked rows of left padding in every dtype; ``"eager"`` turns them into
+            NaN in float64 (softmax over all ``-inf``), which breaks float64 generation.
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class HFCausalLM:
         max_position_embeddings: int = 256,
         dtype: str = "float32",
         seed: int = 0,
-        attn_implementation: str = "eager",
+        attn_implementation: str = "sdpa",
     ) -> None:
         if pretrained_path is None and architecture not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {architecture!r}; known: {ARCHITECTURES}")

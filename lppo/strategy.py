@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from torch import nn
-from torch.distributed.constants import default_pg_timeout
+
+from lppo.parallel import DEFAULT_TIMEOUT, ParallelContext, ProcessGroup
 
 #: Name of :class:`PPODDPStrategy` in Lightning's ``StrategyRegistry``.
 STRATEGY_NAME = "ppo_ddp"
@@ -72,7 +72,7 @@ class PPODDPStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: str = "popen",
     ) -> None:
         super().__init__(
@@ -89,35 +89,16 @@ class PPODDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """Leave the module unwrapped; make every rank start from rank 0's module states."""
         assert isinstance(self.model, LightningModule)
-        broadcast_module_states(self.model)
+        parallel_context(self).data.broadcast_module(self.model)
 
 
-def broadcast_module_states(module: nn.Module, src: int = 0) -> None:
-    """Copy ``src``'s parameters and buffers into every rank (one broadcast per device/dtype).
-
-    A no-op without an initialized process group of more than one rank.
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) in seen or tensor.numel() == 0:
-            continue
-        seen.add(id(tensor))
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    with torch.no_grad():
-        for (_, dtype), tensors in sorted(groups.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            if dtype == torch.bool:
-                flat = flat.to(torch.uint8)
-            dist.broadcast(flat, src=src)
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t).to(dtype))
-                offset += n
+def parallel_context(strategy: Any) -> ParallelContext:
+    """The process groups of ``strategy``: data parallelism over all ranks of ``ppo_ddp``."""
+    if isinstance(strategy, PPODDPStrategy) and strategy.world_size > 1:
+        return ParallelContext(
+            data=ProcessGroup(size=strategy.world_size, rank=strategy.global_rank)
+        )
+    return ParallelContext()
 
 
 def check_strategy(strategy: Any, world_size: int) -> None:

@@ -19,22 +19,20 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 def default_callbacks() -> list[Callback]:
-    """The callbacks every PPO run gets unless one of the same type is given."""
+    """The monitoring and checkpoint callbacks every run gets unless one of the type is given.
+
+    The lifecycle callbacks (``OptimizerStep``, ``RowRetention``, ``AbortCleanup``) are not
+    here: the controller installs them, for Lightning and plain-Python runs alike.
+    """
     from lppo.callbacks import (
-        AbortCleanup,
         IterationCheckpoint,
-        OptimizerStep,
         PPOMetricsLogger,
         PPOProgress,
         RewardCurve,
-        RowRetention,
         RunSummary,
     )
 
     return [
-        OptimizerStep(),
-        RowRetention(),
-        AbortCleanup(),
         PPOMetricsLogger(),
         RewardCurve(),
         PPOProgress(),
@@ -56,7 +54,7 @@ class PPOTrainer(Trainer):
     """A ``Trainer`` whose epoch is one RL iteration (``max_epochs`` = iterations).
 
     Differences from a plain ``Trainer``: the fit loop is :class:`lppo.loop.PPOFitLoop`;
-    lppo's built-in callbacks are added when absent; the default logger writes
+    lppo's monitoring and checkpoint callbacks are added when absent; the default logger writes
     ``<default_root_dir>/version_N/metrics.csv`` (one folder per launch, so a resumed run keeps
     the earlier metrics) and checkpoints go to ``<default_root_dir>/checkpoints``; Lightning's
     batch progress bar, model summary, sanity check and validation are off. ``global_step``

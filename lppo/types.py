@@ -9,7 +9,6 @@ always ``False`` and every token-level field holds 0 there.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -174,72 +173,6 @@ class Chunk:
 
 
 @dataclass
-class SumStats:
-    """Additive diagnostic sums of one optimizer step (float64 scalars, plus min / max).
-
-    Every reported diagnostic is a ratio of these global sums, never a mean of chunk means, so
-    any chunking and any data-parallel size report the same numbers.
-
-    Attributes:
-        sums: ``name -> float64 0-dim tensor`` summed over tokens (or rows).
-        mins: ``name -> float64 0-dim tensor`` running minimum.
-        maxs: ``name -> float64 0-dim tensor`` running maximum.
-    """
-
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    mins: dict[str, torch.Tensor] = field(default_factory=dict)
-    maxs: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def add(self, name: str, value: torch.Tensor | float) -> None:
-        """Add ``value`` to the running sum ``name``."""
-        v = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
-        self.sums[name] = self.sums[name] + v if name in self.sums else v.clone()
-
-    def update_min(self, name: str, value: torch.Tensor) -> None:
-        """Fold ``value`` (any shape, non-empty) into the running minimum ``name``."""
-        v = value.detach().to(torch.float64).min().cpu()
-        self.mins[name] = torch.minimum(self.mins[name], v) if name in self.mins else v
-
-    def update_max(self, name: str, value: torch.Tensor) -> None:
-        """Fold ``value`` (any shape, non-empty) into the running maximum ``name``."""
-        v = value.detach().to(torch.float64).max().cpu()
-        self.maxs[name] = torch.maximum(self.maxs[name], v) if name in self.maxs else v
-
-    def get(self, name: str) -> float:
-        """Return the sum ``name`` as a float (0.0 when never added)."""
-        return float(self.sums[name]) if name in self.sums else 0.0
-
-    def all_reduce(self) -> None:
-        """Sum / min / max every entry across the default process group (no-op without one)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
-        if torch.distributed.get_world_size() == 1:
-            return
-        dist = torch.distributed
-        for table, op, fill in (
-            (self.sums, dist.ReduceOp.SUM, 0.0),
-            (self.mins, dist.ReduceOp.MIN, math.inf),
-            (self.maxs, dist.ReduceOp.MAX, -math.inf),
-        ):
-            names = sorted(table)
-            # Every rank must reduce the same names: gather the union first.
-            union: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(union, names)
-            names = sorted({n for part in union for n in part})
-            if not names:
-                continue
-            flat = torch.stack(
-                [table.get(n, torch.tensor(fill, dtype=torch.float64)) for n in names]
-            )
-            if dist.get_backend() == "nccl":
-                flat = flat.cuda()
-            dist.all_reduce(flat, op=op)
-            flat = flat.cpu()
-            for n, v in zip(names, flat.unbind(0), strict=True):
-                table[n] = v.clone()
-
-
-@dataclass
 class StepStats:
     """Statistics of one finished (or skipped) optimizer step.
 
@@ -270,3 +203,29 @@ class StepStats:
     valid_rows: int
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class IterationResult:
+    """What one RL iteration did; handed to ``on_iteration_end`` and returned by the controller.
+
+    Attributes:
+        iteration: RL iteration index.
+        rollout: rollout metrics (``reward_mean``, ``reward_std``, ``response_length_mean``,
+            ``invalid_rows``, ``dropped_rows``, ``kl_mean``, and what the advantage estimator
+            reports).
+        steps: stats of every critic and actor step, in order.
+        seconds: wall time per phase (``rollout``, ``collect``, ``score``, ``advantages``,
+            ``critic``, ``actor``).
+        tokens: real tokens processed per phase (``rollout``: response tokens generated).
+    """
+
+    iteration: int
+    rollout: dict[str, float]
+    steps: list[StepStats]
+    seconds: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def phase_steps(self, role: str) -> list[StepStats]:
+        """Steps of ``role`` (``actor`` or ``critic``)."""
+        return [s for s in self.steps if s.role == role]

@@ -22,6 +22,7 @@ import torch
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
 from lppo.hooks import IterationContext, PPOCallback
+from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.strategy import PPODDPStrategy
@@ -43,7 +44,7 @@ class PerturbedOnOtherRanks(PPOSystem):
     def configure_model(self) -> None:
         built = self.controller is not None
         super().configure_model()
-        if not built and self._trainer is not None and self.trainer.global_rank > 0:
+        if not built and attached_trainer(self) is not None and self.trainer.global_rank > 0:
             with torch.no_grad():
                 for p in self.parameters():
                     p.add_(0.1)

@@ -13,6 +13,7 @@ from lppo.chunks import read_chunk
 from lppo.config import PPOConfig
 from lppo.controller import IterationError, PPOController
 from lppo.data import ReplayDataModule
+from lppo.estimators import GAE
 from lppo.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
 from lppo.planner import NoValidRows
@@ -58,8 +59,11 @@ def make_controller(store=None, budget=30, drop_budget=0, callbacks=(), **cfg):
     reference = None
     if cfg.get("kl_coef", 0.0) > 0:
         reference = ActorModule(tiny_lm(seed=7))
+    gae = {k: cfg.pop(k) for k in ("gamma", "lam", "lam_returns", "whiten") if k in cfg}
     config = PPOConfig(**cfg)
-    return PPOController(actor, critic, data, config, reference=reference, callbacks=callbacks)
+    return PPOController(
+        actor, critic, data, config, reference=reference, callbacks=callbacks, estimator=GAE(**gae)
+    )
 
 
 class Probe(PPOCallback):
@@ -70,7 +74,7 @@ class Probe(PPOCallback):
         self.snapshot = None
 
     def on_phase_epoch_start(self, ctx):
-        store = ctx.controller.data.store
+        store = ctx.store
         claimed = sum(1 for i in ctx.row_ids if i in store.claimed())
         self.epochs.append((ctx.phase, ctx.epoch, len(store), claimed))
         if self.snapshot is None:
@@ -185,11 +189,16 @@ def test_critic_warmup_skips_actor():
 
 
 @pytest.mark.parametrize(
-    ("key", "value"),
-    [("critic_epochs", 0), ("actor_epochs", 0), ("actor_minibatches", 0), ("lam", 1.5)],
+    ("key", "value", "name"),
+    [
+        ("critic_epochs", 0, "model.ppo.critic_epochs"),
+        ("actor_epochs", 0, "model.ppo.actor_epochs"),
+        ("actor_minibatches", 0, "model.ppo.actor_minibatches"),
+        ("lam", 1.5, "model.estimator.init_args.lam"),
+    ],
 )
-def test_bad_config_names_the_key(key, value):
-    with pytest.raises(ValueError, match=f"ppo.{key}={value}"):
+def test_bad_config_names_the_key(key, value, name):
+    with pytest.raises(ValueError, match=f"{name}={value}"):
         make_controller(**{key: value})
 
 

@@ -64,7 +64,7 @@ class Recorder(PPOCallback):
     def on_phase_epoch_end(self, ctx):
         self._rec("phase_epoch_end", ctx)
 
-    def on_iteration_end(self, ctx):
+    def on_iteration_end(self, ctx, result):
         self._rec("iteration_end", ctx)
 
     def on_ppo_abort(self, ctx, error):

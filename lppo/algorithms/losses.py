@@ -1,7 +1,7 @@
 """Per-token PPO loss terms. Aggregation (and its exact global normalization) is the caller's.
 
 Every function returns ``[B, T]`` tensors; entries off the mask are meaningless and must be
-masked out by the caller (see :func:`aggregate`).
+masked out by the caller (see :func:`token_weights`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ import torch
 from lppo.types import Normalizers
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
+
+#: Bound of the policy log-ratio before ``exp`` (as verl and OpenRLHF clamp it): ``e^20`` is
+#: finite, so a token whose probability moved far still gives a finite loss, and a zero
+#: advantage a zero (not NaN) loss and gradient.
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass
@@ -43,7 +48,8 @@ def policy_loss(
 ) -> PolicyTerms:
     """Clipped surrogate with asymmetric clip range and optional dual clip.
 
-    ``r = exp(logπ − logπ_old)``;
+    ``r = exp(clamp(logπ − logπ_old, −20, 20))`` (:data:`LOG_RATIO_CLAMP`; the gradient is 0
+    where the clamp is active, where the clipped objective is flat anyway);
     ``L = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``; with dual clip ``c > 1``, for
     ``A < 0`` the loss is further capped: ``L = min(L, −c·A)``.
 
@@ -58,7 +64,7 @@ def policy_loss(
     Returns:
         :class:`PolicyTerms`.
     """
-    log_ratio = logprobs - old_logprobs
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped_obj = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -117,18 +123,6 @@ def value_loss(
     # to rounding, which must neither flip the clip flag nor change the loss.
     clipped = (delta.abs() > clip) & (err_clip > err)
     return ValueTerms(loss=0.5 * torch.where(clipped, err_clip, err), clipped=clipped)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy ``−Σ_v p_v log p_v`` of each position's distribution.
-
-    Args:
-        logits: ``float[B, T, V]``.
-
-    Returns:
-        ``float[B, T]``.
-    """
-    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
 
 
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:

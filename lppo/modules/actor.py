@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lppo.algorithms.losses import LossAggregation, entropy_from_logprobs, policy_loss
-from lppo.modules.lifecycle import OptimizerFactory, PPOModule, SchedulerFactory
-from lppo.types import Chunk, SumStats
+from lppo.algorithms.losses import entropy_from_logprobs, policy_loss
+from lppo.modules.lifecycle import PPOModule
+from lppo.stats import SumStats
+from lppo.types import Chunk
 
 if TYPE_CHECKING:
     from lppo.models import HFCausalLM
@@ -39,6 +40,12 @@ def shifted_logprobs(
 class ActorModule(PPOModule):
     """Policy model with the step lifecycle; subclass it to change the loss or the forward.
 
+    Attributes:
+        temperature: sampling temperature; logits are divided by it before log-softmax, so
+            training scores tokens under the distribution the rollout sampled from. Not an init
+            argument: :class:`~lppo.system.PPOSystem` sets it from ``model.rollout.temperature``
+            (the one source of sampling settings), so the two can never disagree.
+
     Args:
         model: a Hugging Face causal LM, or an :class:`~lppo.models.HFCausalLM` spec built at
             setup once the tokenizer is known.
@@ -46,17 +53,9 @@ class ActorModule(PPOModule):
         clip_high: ε_high of the ratio clip (``> clip_low`` is "clip-higher").
         dual_clip: dual-clip constant ``c > 1`` for negative advantages, or ``None``.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
-        temperature: sampling temperature; logits are divided by it before log-softmax, so
-            training scores tokens under the distribution the rollout sampled from.
-        lr: learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        max_grad_norm: grad-norm clip (``None`` disables clipping).
-        loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
-        warmup_steps: linear LR warmup steps.
-        optimizer: optimizer factory replacing AdamW.
-        lr_scheduler: scheduler factory replacing the warmup.
+        **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
+            ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
+            ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
     """
 
     role = "actor"
@@ -68,39 +67,18 @@ class ActorModule(PPOModule):
         clip_high: float = 0.2,
         dual_clip: float | None = None,
         entropy_coef: float = 0.0,
-        temperature: float = 1.0,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        max_grad_norm: float | None = 1.0,
-        loss_aggregation: LossAggregation = "token_mean",
-        warmup_steps: int = 0,
-        optimizer: OptimizerFactory | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=betas,
-            eps=eps,
-            max_grad_norm=max_grad_norm,
-            loss_aggregation=loss_aggregation,
-            warmup_steps=warmup_steps,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-        )
+        super().__init__(**kwargs)
         if clip_low < 0 or clip_high < 0:
             raise ValueError(f"actor.clip_low={clip_low} / clip_high={clip_high} must be >= 0.")
         if dual_clip is not None and dual_clip <= 1.0:
             raise ValueError(f"actor.dual_clip={dual_clip} must be > 1 (or null to disable).")
-        if temperature <= 0:
-            raise ValueError(f"actor.temperature={temperature} must be > 0.")
         self.clip_low = clip_low
         self.clip_high = clip_high
         self.dual_clip = dual_clip
         self.entropy_coef = entropy_coef
-        self.temperature = temperature
+        self.temperature = 1.0
         self.spec: HFCausalLM | None = None
         self.model: nn.Module | None = None
         if isinstance(model, nn.Module):

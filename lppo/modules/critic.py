@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lppo.algorithms.losses import LossAggregation, value_loss
-from lppo.modules.lifecycle import OptimizerFactory, PPOModule, SchedulerFactory
-from lppo.types import Chunk, SumStats
+from lppo.algorithms.losses import value_loss
+from lppo.modules.lifecycle import PPOModule
+from lppo.stats import SumStats
+from lppo.types import Chunk
 
 if TYPE_CHECKING:
     from lppo.models import HFCausalLM
@@ -27,15 +28,9 @@ class CriticModule(PPOModule):
         value_clip: ε of the clipped value loss (``None``: unclipped squared error).
         head_init_std: standard deviation of the value head's initial weights.
         head_seed: seed of the value head's initialization.
-        lr: learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        max_grad_norm: grad-norm clip (``None`` disables clipping).
-        loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
-        warmup_steps: linear LR warmup steps.
-        optimizer: optimizer factory replacing AdamW.
-        lr_scheduler: scheduler factory replacing the warmup.
+        **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
+            ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
+            ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
     """
 
     role = "critic"
@@ -46,27 +41,9 @@ class CriticModule(PPOModule):
         value_clip: float | None = 0.2,
         head_init_std: float = 0.02,
         head_seed: int = 0,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        max_grad_norm: float | None = 1.0,
-        loss_aggregation: LossAggregation = "token_mean",
-        warmup_steps: int = 0,
-        optimizer: OptimizerFactory | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=betas,
-            eps=eps,
-            max_grad_norm=max_grad_norm,
-            loss_aggregation=loss_aggregation,
-            warmup_steps=warmup_steps,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-        )
+        super().__init__(**kwargs)
         if value_clip is not None and value_clip <= 0:
             raise ValueError(f"critic.value_clip={value_clip} must be > 0 (or null to disable).")
         self.value_clip = value_clip
@@ -155,11 +132,9 @@ class CriticModule(PPOModule):
         vd, rd = v.detach().to(torch.float64)[mask], ret.to(torch.float64)[mask]
         sums.add("value_loss_sum", (terms.loss.detach() * mask).sum())
         sums.add("clipped", (terms.clipped & mask).sum())
-        sums.add("return_sum", rd.sum())
-        sums.add("return_sq_sum", rd.square().sum())
-        sums.add("resid_sum", (rd - vd).sum())
-        sums.add("resid_sq_sum", (rd - vd).square().sum())
         sums.add("value_sum", vd.sum())
+        sums.update_moments("returns", rd)
+        sums.update_moments("residuals", rd - vd)
         sums.update_min("value_min", vd)
         sums.update_max("value_max", vd)
         sums.update_min("return_min", rd)
@@ -169,11 +144,14 @@ class CriticModule(PPOModule):
     def metrics(self, sums: SumStats) -> dict[str, float]:
         """Value loss, clip fraction, explained variance, value and return mean / min / max."""
         n = max(sums.get("valid_tokens"), 1.0)
-        ret_mean = sums.get("return_sum") / n
-        ret_var = sums.get("return_sq_sum") / n - ret_mean**2
-        res_mean = sums.get("resid_sum") / n
-        res_var = sums.get("resid_sq_sum") / n - res_mean**2
-        explained = 1.0 - res_var / ret_var if ret_var > 1e-12 else float("nan")
+        returns = sums.moments.get("returns")
+        residuals = sums.moments.get("residuals")
+        explained = float("nan")
+        if returns is not None and residuals is not None and returns.count > 0:
+            ret_var = returns.var
+            if ret_var > 1e-12:
+                explained = 1.0 - residuals.var / ret_var
+        ret_mean = returns.mean if returns is not None else 0.0
         return {
             "value_loss": sums.get("value_loss_sum") / n,
             "clip_fraction": sums.get("clipped") / n,

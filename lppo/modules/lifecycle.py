@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from lppo.algorithms.losses import LossAggregation, token_weights
-from lppo.types import Chunk, StepPlan, StepStats, SumStats
+from lppo.parallel import ParallelContext
+from lppo.stats import SumStats
+from lppo.types import Chunk, StepPlan, StepStats
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -49,6 +51,14 @@ class PPOModule(nn.Module):
 
     Subclasses implement :meth:`chunk_loss` (per-token loss plus diagnostic sums) and
     :meth:`trainable_parameters`; :meth:`metrics` turns the step's global sums into ratios.
+    The optimizer settings below are declared here once; subclasses take them as
+    ``**kwargs`` (jsonargparse still lists each of them under the subclass in ``--help``).
+
+    Attributes:
+        parallel: the process groups gradients and diagnostics are summed over (set by the
+            controller; single-process by default).
+        weights_version: increases whenever the parameters change (a step taken, a state
+            loaded); rollout engines holding a copy of the weights compare against it.
 
     Args:
         lr: learning rate of the default AdamW optimizer.
@@ -108,6 +118,9 @@ class PPOModule(nn.Module):
         self._tokens = 0
         #: Number of forward passes run in training (skipped chunks run none).
         self.forward_count = 0
+        self.parallel = ParallelContext()
+        self.weights_version = 0
+        self.register_load_state_dict_post_hook(_bump_weights_version)
 
     # ----------------------------------------------------------- subclass API
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -227,7 +240,7 @@ class PPOModule(nn.Module):
         assert self.optimizer is not None
         params = [p for p in self.trainable_parameters()]
         self._sync_gradients(params)
-        self._sums.all_reduce()
+        self._sums.all_reduce(self.parallel.data)
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else 0.0
         stepped = math.isfinite(grad_norm)
@@ -244,6 +257,7 @@ class PPOModule(nn.Module):
                     params, self.max_grad_norm, torch.tensor(grad_norm, dtype=norm_dtype)
                 )
             self.optimizer.step()
+            self.weights_version += 1
             if self.scheduler is not None:
                 self.scheduler.step()
         self._zero_grad()
@@ -290,33 +304,34 @@ class PPOModule(nn.Module):
         for p in self.parameters():
             p.grad = None
 
-    @staticmethod
-    def _sync_gradients(params: list[nn.Parameter]) -> None:
+    def _sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Sum gradients over data-parallel ranks (each rank holds its share of the step).
 
         A parameter with no gradient on any rank keeps ``grad = None`` (as with one process,
         so optimizers skip it); one with a gradient on some rank gets zeros where it has none
         (e.g. a rank holding only padding chunks).
         """
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        if not params:
+        group = self.parallel.data
+        if group.size == 1 or not params:
             return
         present = torch.tensor(
             [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
         )
-        dist.all_reduce(present)
+        present = group.all_reduce(present)
         params = [p for p, n in zip(params, present.tolist(), strict=True) if n > 0]
         if not params:
             return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
+        flat = group.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]))
         offset = 0
         for p in params:
             n = p.numel()
             p.grad.copy_(flat[offset : offset + n].view_as(p))
             offset += n
+
+
+def _bump_weights_version(module: nn.Module, incompatible_keys: object) -> None:
+    """``load_state_dict`` post-hook: loaded parameters are new weights."""
+    module.weights_version += 1

@@ -15,6 +15,10 @@ Rules every backend follows (the conformance suite in ``tests/replay`` checks th
 * Every failing call raises before changing anything (all-or-nothing).
 * ``release`` deletes rows; reading or releasing a released id raises ``KeyError``. A released
   id may be reused by a later ``put``; a live id may not.
+* ``allocate`` hands out fresh row ids: never live, never handed out or put before (ids
+  survive ``state_dict`` / ``load_state_dict``), so the store, not its callers, owns row ids.
+* ``shared`` says whether other processes see the same rows (a shared store) or each process
+  has its own (a local one).
 * ``claim`` marks rows as retained by an owner until they are released; claiming a row that is
   already claimed raises ``RuntimeError``.
 """
@@ -36,6 +40,15 @@ class ReplayError(Exception):
 @runtime_checkable
 class ReplayStore(Protocol):
     """Storage of variable-length rows, read back in arbitrary subsets and orders."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether every process sees the same rows (``False``: each process has its own)."""
+        ...
+
+    def allocate(self, n: int) -> tuple[int, ...]:
+        """Return ``n`` fresh row ids for a later :meth:`put`."""
+        ...
 
     def put(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
         """Create rows ``ids``; ``columns[name][i]`` is row ``ids[i]``'s tensor for ``name``.

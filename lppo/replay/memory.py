@@ -108,7 +108,25 @@ class MemoryReplayStore:
         self._columns: dict[str, _Spec] = {}
         self._claims: dict[int, str] = {}
         self._released = IdRanges()
+        self._next_id = 0
         self._reset_rows()
+
+    @property
+    def shared(self) -> bool:
+        """``False``: rows live in this process only (each data-parallel rank has its own)."""
+        return False
+
+    def allocate(self, n: int) -> tuple[int, ...]:
+        """``n`` fresh row ids: above every id this store has put or handed out before.
+
+        Raises:
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"allocate: n={n} must be >= 0")
+        ids = tuple(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        return ids
 
     def _reset_rows(self) -> None:
         """Drop every row and every stored value (specs, claims and released ids untouched)."""
@@ -196,6 +214,7 @@ class MemoryReplayStore:
             self._schema = tuple(cols)
         for i in id_list:
             self._released.discard(i)
+        self._next_id = max(self._next_id, max(id_list) + 1)
         ks = self._add_rows(id_list, lengths, valid)
         for name, tensors in cols.items():
             self._store(name, ks, tensors)
@@ -352,6 +371,7 @@ class MemoryReplayStore:
             "data": {n: column_state(c, ks) for n, c in self._data.items()},
             "claims": [[i, o] for i, o in self._claims.items()],
             "released": self._released.ranges(),
+            "next_id": self._next_id,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -386,10 +406,14 @@ class MemoryReplayStore:
                     valid[k] = v
             claims = {index(i): str(o) for i, o in state["claims"]}
             released = IdRanges.from_ranges((index(a), index(b)) for a, b in state["released"])
+            next_id = index(state.get("next_id", max(ids, default=-1) + 1))
         except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
             raise ValueError(f"load_state_dict: inconsistent state: {e}") from e
         if not claims.keys() <= set(ids) or any(i in released for i in ids):
             raise ValueError("load_state_dict: claims must name live rows, released ids none")
+        if any(i >= next_id for i in ids):
+            raise ValueError(f"load_state_dict: next_id={next_id} is not above every live id")
+        self._next_id = next_id
         self._schema, self._columns = schema, specs
         self._claims, self._released = claims, released
         self._index, self._free, self._data = dict(zip(ids, ks, strict=True)), [], data

@@ -1,15 +1,25 @@
 """Rollout engines: sample responses from the policy and pack them into ``Rollout`` rows."""
 
-from __future__ import annotations
-
-from lppo.rollout.base import TRUNCATED, GenerationOutput, RolloutEngine, score, to_rollout
+from lppo.rollout.base import (
+    TRUNCATED,
+    GenerationOutput,
+    RolloutEngine,
+    RolloutSettings,
+    score,
+    to_rollout,
+)
 from lppo.rollout.hf import HFGenerateEngine
+from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
 
 __all__ = [
     "TRUNCATED",
     "GenerationOutput",
     "HFGenerateEngine",
     "RolloutEngine",
+    "RolloutSettings",
+    "RolloutSource",
+    "StaleWeightsError",
+    "derive_seed",
     "score",
     "to_rollout",
 ]

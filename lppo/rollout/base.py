@@ -7,9 +7,9 @@ under the sampling distribution; prompt positions hold ``False`` / 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -56,33 +56,85 @@ class GenerationOutput:
         return torch.tensor([int(m.sum()) for m in self.response_mask], dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How each iteration's samples are generated: the one source of sampling settings.
+
+    The engine samples with them and the actor scores with the same temperature (set from
+    here at setup), so sampling and training can never silently disagree.
+
+    Attributes:
+        prompts_per_iteration: prompts drawn from the task per iteration.
+        samples_per_prompt: responses sampled per prompt.
+        max_new_tokens: longest response (EOS included).
+        temperature: sampling temperature (the actor scores with the same one).
+        top_p: nucleus-sampling mass; 1 disables it.
+        top_k: keep the ``top_k`` most likely tokens; 0 disables it.
+    """
+
+    prompts_per_iteration: int = 32
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
+        for key in ("prompts_per_iteration", "samples_per_prompt", "max_new_tokens"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"model.rollout.{key}={value} must be >= 1.")
+        if not self.temperature > 0:
+            raise ValueError(f"model.rollout.temperature={self.temperature} must be > 0.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"model.rollout.top_p={self.top_p} must lie in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"model.rollout.top_k={self.top_k} must be >= 0 (0 disables it).")
+
+    @property
+    def rows_per_iteration(self) -> int:
+        """Rows each iteration puts into the replay store."""
+        return self.prompts_per_iteration * self.samples_per_prompt
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Something that samples responses from the current policy."""
+    """Samples responses from the current policy; chosen by ``model.engine.class_path``.
 
-    def generate(self, prompts: list[Prompt], samples_per_prompt: int = 1) -> GenerationOutput:
-        """Sample ``samples_per_prompt`` responses to each prompt.
+    Lifecycle: :meth:`setup` once (the policy, its tokenizer and the sampling settings), then
+    :meth:`generate` every iteration. An engine that holds its own copy of the weights (another
+    process, vLLM) refreshes it in :meth:`sync_from`, which lppo calls after every actor phase
+    and before any generation whose :attr:`weights_version` lags the policy's.
 
-        Args:
-            prompts: the prompts to answer.
-            samples_per_prompt: responses per prompt.
+    Attributes:
+        weights_version: the policy ``weights_version`` the engine samples from (set by
+            :meth:`sync_from`); lppo refuses to generate when it lags the policy's.
+    """
+
+    weights_version: int
+
+    def setup(self, policy: torch.nn.Module, tokenizer: Any, sampling: RolloutSettings) -> None:
+        """Bind the engine to ``policy`` (a causal LM), ``tokenizer`` and ``sampling``."""
+        ...
+
+    def generate(
+        self, prompts: list[Prompt], samples_per_prompt: int, seed: int
+    ) -> GenerationOutput:
+        """Sample ``samples_per_prompt`` responses to each prompt, reproducibly from ``seed``.
 
         Returns:
             ``len(prompts) * samples_per_prompt`` samples, grouped by prompt.
         """
         ...
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load new policy weights (parameter name -> tensor)."""
-        ...
-
-    def sync_from(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights."""
+    def sync_from(self, policy: torch.nn.Module, version: int) -> None:
+        """Sample from ``policy``'s current weights from now on; set ``weights_version``."""
         ...
 
 
 def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> torch.Tensor:
-    """Reward every sample of ``output`` with ``task``.
+    """Reward every sample of ``output`` with one batch call of ``task.rewards``.
 
     Args:
         task: the task whose reward is used.
@@ -90,13 +142,19 @@ def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> to
         output: the generated samples.
 
     Returns:
-        ``float32[n]`` rewards in ``[0, 1]``.
+        ``float32[n]`` rewards.
+
+    Raises:
+        ValueError: the task returned a number of rewards other than the number of samples.
     """
-    rewards = [
-        task.reward(prompts[int(i)], text)
-        for i, text in zip(output.prompt_index.tolist(), output.completions, strict=True)
-    ]
-    return torch.tensor(rewards, dtype=torch.float32)
+    answered = [prompts[int(i)] for i in output.prompt_index.tolist()]
+    rewards = task.rewards(answered, list(output.completions))
+    if len(rewards) != len(output):
+        raise ValueError(
+            f"{type(task).__name__}.rewards returned {len(rewards)} rewards for "
+            f"{len(output)} samples."
+        )
+    return torch.tensor([float(r) for r in rewards], dtype=torch.float32)
 
 
 def to_rollout(

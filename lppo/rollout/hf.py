@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import transformers
 
-from lppo.rollout.base import GenerationOutput
+from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.tasks.base import Prompt
 
 
@@ -27,81 +26,73 @@ class HFGenerateEngine:
     """Samples responses with ``model.generate`` (left-padded batches, KV cache).
 
     The engine holds the actor's model by reference, so after an optimizer step it already
-    samples from the new weights (:meth:`sync_from` / :meth:`update_weights` exist for engines
-    that hold a copy). Sampling is reproducible: every call draws its seed from a
-    ``torch.Generator`` seeded with ``seed`` (or uses the ``seed`` given to the call), and runs
-    ``generate`` under a forked global RNG, so the caller's RNG is never disturbed.
+    samples from the new weights; :meth:`sync_from` only records the version (or copies the
+    weights when handed a different model). Sampling is reproducible: every call runs
+    ``generate`` under a forked global RNG seeded with the call's ``seed``, so the caller's RNG
+    is never disturbed.
 
     Generation log-probabilities are those of the *processed* scores ``generate`` samples from
     (temperature, top-p, top-k and any processor of the model's generation config applied).
+    Sampling settings come from :class:`~lppo.rollout.RolloutSettings` (``model.rollout``).
 
     Args:
-        model: the causal LM to sample from (shared, not copied).
-        tokenizer: tokenizer of ``model``; must define ``eos_token_id``.
-        max_new_tokens: longest response, EOS included.
-        temperature: sampling temperature (> 0).
-        top_p: nucleus-sampling mass in ``(0, 1]``; 1 disables it.
-        top_k: keep the ``top_k`` most likely tokens; 0 disables it.
-        seed: seed of the engine's generator of per-call seeds.
-        batch_size: most samples per ``generate`` call (``None``: all in one call). Results
+        batch_size: most samples per ``generate`` call (``null``: all in one call). Results
             depend on it, as they do on the seed.
-        prepend_bos: put ``tokenizer.bos_token_id`` in front of prompts that do not start with
+        prepend_bos: put the tokenizer's BOS token in front of prompts that do not start with
             it (ignored when the tokenizer has no BOS token).
     """
 
-    def __init__(
-        self,
-        model: transformers.PreTrainedModel,
-        tokenizer: transformers.PreTrainedTokenizerBase,
-        max_new_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        batch_size: int | None = None,
-        prepend_bos: bool = True,
-    ) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer must define an eos token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    def __init__(self, batch_size: int | None = None, prepend_bos: bool = True) -> None:
         if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
+            raise ValueError(
+                f"model.engine.init_args.batch_size={batch_size} must be >= 1 or null."
+            )
         self.batch_size = batch_size
         self.prepend_bos = prepend_bos
+        self.weights_version = 0
+        self._model: transformers.PreTrainedModel | None = None
+        self._tokenizer: transformers.PreTrainedTokenizerBase | None = None
+        self.sampling = RolloutSettings()
+
+    @property
+    def model(self) -> transformers.PreTrainedModel:
+        """The causal LM the engine samples from."""
+        if self._model is None:
+            raise RuntimeError("HFGenerateEngine used before setup(policy, tokenizer, sampling).")
+        return self._model
+
+    @property
+    def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
+        """The policy's tokenizer."""
+        if self._tokenizer is None:
+            raise RuntimeError("HFGenerateEngine used before setup(policy, tokenizer, sampling).")
+        return self._tokenizer
+
+    def setup(
+        self,
+        policy: torch.nn.Module,
+        tokenizer: transformers.PreTrainedTokenizerBase,
+        sampling: RolloutSettings,
+    ) -> None:
+        """Share ``policy`` (not a copy) and take the sampling settings.
+
+        Raises:
+            ValueError: the tokenizer has no EOS token.
+        """
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer must define an eos token")
+        self._model = policy  # type: ignore[assignment]
+        self._tokenizer = tokenizer
+        self.sampling = sampling
         self.eos_token_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
-        self.generator = torch.Generator().manual_seed(seed)
 
-    # -- weights ---------------------------------------------------------------------------
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``state_dict`` into the engine's model (strict)."""
-        self.model.load_state_dict(dict(state_dict))
-
-    def sync_from(self, model: torch.nn.Module) -> None:
-        """Sample from ``model``'s weights from now on (no-op when it is the engine's model)."""
-        if model is not self.model:
-            self.update_weights(model.state_dict())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Sampler state to checkpoint (the generator of per-call seeds)."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.generator.set_state(state["generator"])
+    def sync_from(self, policy: torch.nn.Module, version: int) -> None:
+        """Sample from ``policy``'s weights (copied in when it is not the engine's model)."""
+        if policy is not self.model:
+            self.model.load_state_dict(policy.state_dict())
+        self.weights_version = version
 
     # -- generation ------------------------------------------------------------------------
 
@@ -122,11 +113,16 @@ class HFGenerateEngine:
     def generation_config(self, greedy: bool = False) -> transformers.GenerationConfig:
         """The ``GenerationConfig`` passed to ``generate``."""
         kwargs: dict[str, object] = {}
+        sampling = self.sampling
         if not greedy:
-            kwargs = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+            kwargs = {
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+            }
         return transformers.GenerationConfig(
             do_sample=not greedy,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=sampling.max_new_tokens,
             num_beams=1,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
@@ -141,7 +137,7 @@ class HFGenerateEngine:
         self,
         prompts: list[Prompt],
         samples_per_prompt: int = 1,
-        seed: int | None = None,
+        seed: int = 0,
         greedy: bool = False,
     ) -> GenerationOutput:
         """Sample ``samples_per_prompt`` responses to each prompt.
@@ -149,7 +145,7 @@ class HFGenerateEngine:
         Args:
             prompts: the prompts to answer.
             samples_per_prompt: responses per prompt (rows of a prompt are contiguous).
-            seed: seed of this call; ``None`` draws one from the engine's generator.
+            seed: seed of this call (the same seed gives the same samples).
             greedy: take the argmax instead of sampling; ``gen_logprobs`` are then those of
                 the model's unscaled distribution.
 
@@ -158,8 +154,6 @@ class HFGenerateEngine:
         """
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         encoded = [self.encode_prompt(p.text) for p in prompts]
         rows = [(i, ids) for i, ids in enumerate(encoded) for _ in range(samples_per_prompt)]
         step = self.batch_size or max(len(rows), 1)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.algorithms import entropy_from_logits, policy_loss, token_weights, value_loss
+from lppo.algorithms import entropy_from_logprobs, policy_loss, token_weights, value_loss
 from lppo.types import Normalizers
 
 
@@ -175,10 +175,14 @@ def test_value_clip_flag_ignores_rounding_inside_the_range() -> None:
 # ----------------------------------------------------------------------------- entropy
 
 
-def test_entropy_from_logits_matches_manual() -> None:
+def entropy_of(logits):
+    return entropy_from_logprobs(torch.log_softmax(logits, dim=-1))
+
+
+def test_entropy_of_logits_matches_manual() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64) * 3
-    out = entropy_from_logits(logits)
+    out = entropy_of(logits)
     assert out.shape == (2, 3)
     for b in range(2):
         for t in range(3):
@@ -192,18 +196,18 @@ def test_entropy_from_logits_matches_manual() -> None:
 
 def test_entropy_extremes() -> None:
     uniform = torch.zeros(1, 1, 7, dtype=torch.float64)
-    assert float(entropy_from_logits(uniform)) == pytest.approx(math.log(7), rel=1e-12)
+    assert float(entropy_of(uniform)) == pytest.approx(math.log(7), rel=1e-12)
     peaked = torch.tensor([[[1000.0, 0.0, 0.0]]], dtype=torch.float64)
-    assert float(entropy_from_logits(peaked)) == pytest.approx(0.0, abs=1e-12)
+    assert float(entropy_of(peaked)) == pytest.approx(0.0, abs=1e-12)
     # Shift invariance.
     logits = torch.randn(2, 4, 6, dtype=torch.float64)
-    torch.testing.assert_close(entropy_from_logits(logits), entropy_from_logits(logits + 50))
+    torch.testing.assert_close(entropy_of(logits), entropy_of(logits + 50))
 
 
 def test_entropy_with_masked_vocabulary_is_finite() -> None:
     """Logits masked to −inf (0 · log 0 = 0) give the entropy of the remaining entries."""
     logits = torch.tensor([[[0.0, 0.0, -math.inf, -math.inf]]], requires_grad=True)
-    out = entropy_from_logits(logits)
+    out = entropy_of(logits)
     assert float(out.detach()) == pytest.approx(math.log(2), rel=1e-6)
     out.sum().backward()
     assert torch.isfinite(logits.grad).all()

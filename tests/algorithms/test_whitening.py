@@ -55,16 +55,14 @@ def test_moments_over_chunks_equal_concatenation(chunks: list) -> None:
     ref_var = math.fsum((v - ref_mean) ** 2 for v in flat.tolist()) / flat.numel()
     assert m.mean == pytest.approx(ref_mean, abs=1e-12, rel=1e-12)
     assert m.var == pytest.approx(ref_var, abs=1e-12, rel=1e-12)
-    # Order of chunks does not matter; neither does merging the sums by hand (as all_reduce).
+    # Order of chunks does not matter; neither does merging per-chunk moments (as all_reduce).
     rev = global_moments(chunks[::-1])
     assert rev.mean == pytest.approx(m.mean, abs=1e-12)
     assert rev.var == pytest.approx(m.var, abs=1e-12)
     parts = [global_moments([c]) for c in chunks]
-    merged = Moments(
-        count=sum(p.count for p in parts),
-        total=sum(p.total for p in parts),
-        total_sq=sum(p.total_sq for p in parts),
-    )
+    merged = Moments()
+    for part in parts:
+        merged.merge(part)
     assert merged.mean == pytest.approx(m.mean, abs=1e-12)
     assert merged.var == pytest.approx(m.var, abs=1e-12)
 
@@ -108,7 +106,7 @@ def test_whiten_uses_global_moments_not_the_chunks() -> None:
 def test_whiten_depends_only_on_the_moments_passed() -> None:
     x = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[True, False, True]])
-    m = Moments(count=4.0, total=8.0, total_sq=32.0)  # mean 2, var 4
+    m = Moments(count=4.0, mu=2.0, m2=16.0)  # mean 2, var 4
     y = whiten(x, mask, m, eps=0.0)
     assert y.tolist() == [[-0.5, 0.0, 1.5]]
     y_scaled = whiten(x, mask, m, shift_mean=False, eps=0.0)
@@ -143,8 +141,23 @@ def test_moments_update_detaches_and_uses_float64() -> None:
     x = torch.tensor([[1.0, 2.0, 4.0]], dtype=torch.float32, requires_grad=True)
     m = Moments()
     m.update(x, torch.tensor([[True, True, False]]))
-    assert (m.count, m.total, m.total_sq) == (2.0, 3.0, 5.0)
-    assert all(isinstance(v, float) for v in (m.count, m.total, m.total_sq))
-    m.all_reduce()  # no process group: no-op
-    assert (m.count, m.total, m.total_sq) == (2.0, 3.0, 5.0)
+    assert (m.count, m.mean, m.m2) == (2.0, 1.5, 0.5)
+    assert all(isinstance(v, float) for v in (m.count, m.mu, m.m2))
+    m.all_reduce()  # single-process group: no-op
+    assert (m.count, m.mean, m.m2) == (2.0, 1.5, 0.5)
     assert m.mean == 1.5 and m.var == 0.25
+
+
+def test_variance_keeps_precision_when_the_mean_is_large() -> None:
+    """E[x²] − μ² cancels catastrophically at mean 1e8 and spread 1e-2; the merge does not."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(4, 64, generator=g, dtype=torch.float64) * 1e-2
+    x = 1e8 + spread
+    mask = torch.ones_like(x, dtype=torch.bool)
+    m = global_moments([(x[i : i + 1], mask[i : i + 1]) for i in range(4)])
+    ref = float(spread.var(unbiased=False))
+    assert m.var == pytest.approx(ref, rel=1e-6)
+    # The one-pass formula on the same float64 data is off by orders of magnitude.
+    flat = x.reshape(-1)
+    naive = float((flat.square().sum() / flat.numel()) - flat.mean().square())
+    assert abs(naive - ref) > 100 * ref

@@ -16,10 +16,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks import PPOMetricsLogger, PPOProgress, RewardCurve, RunSummary
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationResult, PPOController
+from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, Rollout, StepStats
+from lppo.replay import MemoryReplayStore
+from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, IterationResult, Rollout, StepStats
 
 CRITIC_EPOCHS = 3
 ACTOR_EPOCHS = 2
@@ -66,11 +68,10 @@ STABLE_NAMES = [
 
 
 class System(pl.LightningModule):
-    """Stands in for PPOSystem: carries what the loop leaves after each iteration."""
+    """Stands in for PPOSystem."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last_result: IterationResult | None = None
         self.iteration_index = 0
 
 
@@ -140,13 +141,17 @@ def make_trainer(tmp_path, callbacks, logger=None) -> pl.Trainer:
     )
 
 
+def context(trainer: pl.Trainer, iteration: int) -> IterationContext:
+    return IterationContext(iteration=iteration, store=MemoryReplayStore(), trainer=trainer)
+
+
 def drive(trainer: pl.Trainer, system: System, results, start: int = 0, stop: int | None = None):
-    """Call the Lightning hooks as the loop would, one iteration per epoch."""
+    """Call the end-of-iteration hook as the controller would, one iteration per epoch."""
     for result in results[start:stop]:
-        system.last_result = result
         system.iteration_index = result.iteration
         for cb in trainer.callbacks:
-            cb.on_train_epoch_end(trainer, system)
+            if isinstance(cb, PPOCallback):
+                cb.on_iteration_end(context(trainer, result.iteration), result)
 
 
 def read_csv(trainer: pl.Trainer) -> list[dict[str, str]]:
@@ -198,7 +203,7 @@ def test_metrics_logger_writes_every_step(tmp_path, results):
         assert float(first["critic/stepped"]) == 1.0
 
     # Calling the hook again for the same iteration logs nothing new.
-    logger_cb.on_train_epoch_end(trainer, system)
+    logger_cb.on_iteration_end(context(trainer, results[-1].iteration), results[-1])
     assert len(read_csv(trainer)) == len(rows)
 
     assert [h["iteration"] for h in logger_cb.history] == list(range(ITERATIONS))
@@ -249,11 +254,9 @@ def test_metrics_logger_handles_skipped_step(tmp_path):
         seconds={"critic": 0.0},
         tokens={"critic": 20},
     )
-    system = System()
-    system.last_result = result
     cb = PPOMetricsLogger()
     trainer = make_trainer(tmp_path, [cb])
-    cb.on_train_epoch_end(trainer, system)
+    cb.on_iteration_end(context(trainer, 0), result)
     rows = read_csv(trainer)
     assert float(rows[0]["critic/loss"]) == 0.5  # falls back to value_loss
     assert float(rows[0]["critic/stepped"]) == 0.0
@@ -317,9 +320,7 @@ def test_progress_prints_position_and_iteration_line(tmp_path, capsys, with_prog
     system = System()
     progress.setup(trainer, system, "fit")
     controller = with_progress(progress)
-    result = run_iteration(controller, 0)
-    system.last_result = result
-    progress.on_train_epoch_end(trainer, system)
+    result = run_iteration(controller, 0)  # the iteration line comes from on_iteration_end
 
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3  # quiet without a TTY: one line per phase + the iteration line
@@ -335,8 +336,7 @@ def test_progress_tty_redraws_in_place(tmp_path, capsys, with_progress):
     trainer = make_trainer(tmp_path, [progress])
     system = System()
     progress.setup(trainer, system, "fit")
-    system.last_result = run_iteration(with_progress(progress), 0)
-    progress.on_train_epoch_end(trainer, system)
+    run_iteration(with_progress(progress), 0)
 
     out = capsys.readouterr().out
     assert "\r" in out

@@ -26,6 +26,7 @@ from _builders import filled_store, random_rows, tiny_backbone, tiny_lm  # noqa:
 
 from lppo.chunks import iter_chunks  # noqa: E402
 from lppo.modules import ActorModule, CriticModule  # noqa: E402
+from lppo.parallel import ParallelContext  # noqa: E402
 from lppo.planner import ChunkPlanner  # noqa: E402
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES  # noqa: E402
 
@@ -95,6 +96,7 @@ def build_module(role: str):
 def run_step(role: str, world_size: int, rank: int) -> dict:
     """Train one step of ``role`` on this rank's chunks; return stats, metrics and parameters."""
     module, names = build_module(role)
+    module.parallel = ParallelContext.from_default_group()
     store, step = plan_step(world_size, rank)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     module.begin(step)

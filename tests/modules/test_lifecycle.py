@@ -477,7 +477,6 @@ def test_custom_scheduler_factory_ticks_once_per_real_step(role):
         ("actor", {"dual_clip": 0.5}, "actor.dual_clip"),
         ("actor", {"clip_low": -0.1}, "actor.clip_low"),
         ("actor", {"clip_high": -0.1}, "clip_high"),
-        ("actor", {"temperature": 0.0}, "actor.temperature"),
         ("critic", {"lr": 0.0}, "critic.lr"),
         ("critic", {"max_grad_norm": -1.0}, "critic.max_grad_norm"),
         ("critic", {"loss_aggregation": "sum"}, "critic.loss_aggregation"),

@@ -127,6 +127,29 @@ def assert_rows_equal(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor])
         assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
 
 
+# --------------------------------------------------------------------------- row ids
+
+
+def test_allocate_hands_out_fresh_ids(store: ReplayStore, other: ReplayStore) -> None:
+    assert isinstance(store.shared, bool)
+    first = store.allocate(3)
+    assert len(first) == 3 and len(set(first)) == 3 and len(store) == 0
+    store.put(list(first), make_cols(list(first)))
+    second = store.allocate(2)
+    assert not set(second) & set(first)
+    store.release(list(first))
+    # Released ids are never handed out again, nor ids a caller put by hand.
+    store.put([1000], make_cols([1000]))
+    third = store.allocate(4)
+    assert not set(third) & {*first, *second, 1000}
+    assert store.allocate(0) == ()
+    with pytest.raises(ValueError):
+        store.allocate(-1)
+    # The id counter survives a checkpoint.
+    other.load_state_dict(store.state_dict())
+    assert not set(other.allocate(5)) & {*first, *second, *third, 1000}
+
+
 # --------------------------------------------------------------------------- put / read
 
 

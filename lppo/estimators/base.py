@@ -1,0 +1,71 @@
+"""The ``AdvantageEstimator`` protocol and what the controller hands it.
+
+An estimator turns the scored rows of an iteration (rewards, old values, old and reference
+log-probabilities) into the ``advantages`` the actor trains on and the ``returns`` the critic
+regresses to, writing both back into the replay store. It streams chunks like every other
+phase and never sees a merged batch; any statistic it needs over the whole iteration (the
+whitening moments, a group baseline) is accumulated over chunks and reduced over
+``inputs.group``, so the result is the same for any chunking and any number of ranks.
+
+To add one: write a class with an ``estimate`` method in its own file and select it with
+``model.estimator.class_path`` (export it from :mod:`lppo.estimators` to make it short).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lppo.algorithms.kl import KLKind
+from lppo.chunks import iter_chunks, unpad
+from lppo.parallel import ProcessGroup
+from lppo.replay.base import ReplayStore
+from lppo.types import Chunk, StepPlan
+
+
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """The iteration's scored rows, as an estimator reads and writes them.
+
+    Attributes:
+        store: the replay store holding the rows.
+        step: every valid row of the iteration that this rank handles, in chunks.
+        group: the ranks the rows are split over (statistics are reduced over it; a
+            single-rank group when every rank holds every row).
+        kl_coef: β of the KL penalty folded into the per-token reward (0: none).
+        kl_kind: estimator of that KL (``k1``, ``k2``, ``k3``).
+    """
+
+    store: ReplayStore
+    step: StepPlan
+    group: ProcessGroup
+    kl_coef: float = 0.0
+    kl_kind: KLKind = "k1"
+
+    def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
+        """The non-padding chunks of :attr:`step` with columns ``names``, read when reached."""
+        return (c for c in iter_chunks(self.store, self.step, names) if not c.is_padding)
+
+    def write(self, chunk: Chunk, columns: Mapping[str, torch.Tensor]) -> None:
+        """Write token-level ``[B, T]`` tensors of ``chunk``'s rows back into the store."""
+        self.store.write(chunk.row_ids, {k: unpad(chunk, v) for k, v in columns.items()})
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """Computes advantages and returns of every valid row of an iteration."""
+
+    def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
+        """Write ``advantages`` and ``returns`` (``float[L_i]`` per row) into the store.
+
+        Args:
+            inputs: the rows (with ``reward``, ``values``, ``old_logprobs`` and, when
+                ``kl_coef > 0``, ``ref_logprobs`` columns) and the group to reduce over.
+
+        Returns:
+            Iteration metrics reported under ``rollout/`` (e.g. ``kl_mean``).
+        """
+        ...
