@@ -220,3 +220,54 @@ def test_failing_cleanup_hook_does_not_hide_the_error():
     # The built-in cleanup still ran: rows released, no step open.
     assert store.release_calls == [(0, 1, 2)]
     assert not ctl.critic.step_open
+
+
+def test_rows_get_their_ids_from_the_store():
+    class OffsetStore(CountingStore):
+        def allocate(self, n):
+            return tuple(
+                range(100 + len(self.release_calls) * 10, 100 + len(self.release_calls) * 10 + n)
+            )
+
+    store = OffsetStore()
+    ctl = make_controller(store)
+    ctl.run_iteration(make_rollout(3, 0), iteration=0)
+    ctl.run_iteration(make_rollout(2, 1), iteration=1)
+    assert store.release_calls == [(100, 101, 102), (110, 111)]
+
+
+def test_controller_checks_that_the_rows_were_released():
+    from lppo.callbacks import RowRetention
+
+    class KeepsRows(RowRetention):
+        def on_iteration_end(self, ctx, result):
+            pass  # forgets to release
+
+    store = CountingStore()
+    ctl = make_controller(store, callbacks=[KeepsRows()])
+    with pytest.raises(IterationError, match="rows were not released"):
+        ctl.run_iteration(make_rollout(3, 0), iteration=0)
+    # The failure path still released them, exactly once, through the same callback.
+    assert store.release_calls == [(0, 1, 2)] and len(store) == 0
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_dropout_is_off_so_the_first_ratio_is_one(disable):
+    from _builders import gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config()
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.3
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lm = GPT2LMHeadModel(config).double()
+    data = ReplayDataModule(max_tokens_per_chunk=200, shuffle=False)
+    ppo = PPOConfig(actor_minibatches=2, disable_dropout=disable)
+    ctl = PPOController(ActorModule(lm, lr=1e-3), CriticModule(tiny_backbone()), data, ppo)
+    result = ctl.run_iteration(make_rollout(6, 3), iteration=0)
+    first = result.phase_steps("actor")[0].metrics
+    if disable:
+        # Old log-probs (scored in eval) and the first step's (in train) are the same numbers.
+        assert first["ratio_min"] == first["ratio_max"] == 1.0
+    else:
+        assert first["ratio_max"] - first["ratio_min"] > 1e-3

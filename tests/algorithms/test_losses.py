@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lppo.algorithms import entropy_from_logprobs, policy_loss, token_weights, value_loss
+from lppo.algorithms.losses import LOG_RATIO_CLAMP
 from lppo.types import Normalizers
 
 
@@ -295,3 +296,19 @@ def test_token_weights_bad_mode_raises() -> None:
     mask = torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="seq_mean"):
         token_weights(mask, Normalizers(2, 1), "sum")  # type: ignore[arg-type]
+
+
+def test_log_ratio_is_clamped_so_a_zero_advantage_stays_zero() -> None:
+    """exp(1000) is inf and −0·inf is NaN: unguarded, one far-moved token poisons the step."""
+    logprobs = torch.tensor([[0.0, -1.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1000.0, -1.0, 1000.0]], dtype=torch.float64)
+    adv = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+    terms = policy_loss(logprobs, old, adv)
+    assert torch.isfinite(terms.loss).all() and torch.isfinite(terms.ratio).all()
+    assert terms.loss[0, 0] == 0 and terms.loss[0, 2] == 0
+    terms.loss.sum().backward()
+    assert torch.isfinite(logprobs.grad).all()
+    assert float(terms.ratio[0, 0]) == pytest.approx(math.exp(LOG_RATIO_CLAMP))
+    assert float(terms.ratio[0, 2]) == pytest.approx(math.exp(-LOG_RATIO_CLAMP))
+    # Inside the clamp nothing changes: the ratio is exactly exp(logπ − logπ_old).
+    assert float(terms.ratio[0, 1]) == 1.0

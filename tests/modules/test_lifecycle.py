@@ -498,3 +498,28 @@ def test_valid_edge_constructor_args(role):
     store, epoch = setup(n=3)
     assert run_step(module, store, epoch.steps[0], role).stepped
     assert module.scheduler is None
+
+
+def test_explained_variance_keeps_precision_when_returns_are_large():
+    """Returns near 1e7 varying by 1e-2: E[x²]−μ² would cancel to noise; the merge does not."""
+    store, epoch = setup(n=6, seed=4)
+    step = epoch.steps[0]
+    g = torch.Generator().manual_seed(0)
+    ids = list(store.meta().ids)
+    returns = [
+        1e7 + 1e-2 * torch.randn(len(t), generator=g, dtype=torch.float64)
+        for t in store.read(ids, [RETURNS])[RETURNS]
+    ]
+    store.write(ids, {RETURNS: returns})
+    critic = make("critic", value_clip=None)
+    preds, rets = [], []
+    for chunk in iter_chunks(store, step, NAMES["critic"]):
+        if chunk.is_padding:
+            continue
+        with torch.no_grad():
+            preds.append(critic.values(chunk)[chunk.response_mask])
+        rets.append(chunk.returns[chunk.response_mask])
+    stats = run_step(critic, store, step, "critic")
+    v, r = torch.cat(preds), torch.cat(rets)
+    want = 1.0 - float((r - v).var(unbiased=False)) / float(r.var(unbiased=False))
+    assert stats.metrics["explained_variance"] == pytest.approx(want, rel=1e-6)
