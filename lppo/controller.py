@@ -106,6 +106,13 @@ class PPOController:
         self.reference = reference
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
         self.parallel = parallel if parallel is not None else ParallelContext()
+        if self.parallel.data.size > 1 and data.store.shared:
+            raise ValueError(
+                f"data.store={type(data.store).__name__} is shared across processes, but under "
+                "data parallelism every rank puts, scores and releases all rows in its own "
+                "store; use a process-local store (lppo.replay.MemoryReplayStore) with "
+                "trainer.strategy=ppo_ddp."
+            )
         for module in (actor, critic):
             module.parallel = self.parallel
         if self.config.disable_dropout:

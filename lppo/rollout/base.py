@@ -50,11 +50,6 @@ class GenerationOutput:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        """``int64[n]``: number of response tokens of each sample (EOS included)."""
-        return torch.tensor([int(m.sum()) for m in self.response_mask], dtype=torch.int64)
-
 
 @dataclass(frozen=True)
 class RolloutSettings:
