@@ -170,6 +170,14 @@ class PPOSystem(LightningModule):
         schedulers = [m.scheduler for m in (self.actor, self.critic) if m.scheduler is not None]
         return (optimizers, schedulers) if schedulers else optimizers
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add the task's state (e.g. its position in a prompt file) to the checkpoint."""
+        checkpoint["lppo_task"] = self.task.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the task's state, so a resumed run continues its prompts where it stopped."""
+        self.task.load_state_dict(checkpoint.get("lppo_task", {}))
+
     def training_step(self, *args: Any, **kwargs: Any) -> None:
         """Not used: the PPO loop drives training through :meth:`run_iteration`."""
         raise RuntimeError(

@@ -73,6 +73,19 @@ class Task(abc.ABC):
         """
         return max(len(p.text) for p in self.sample_prompts(1024, random.Random(0)))
 
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint at iteration boundaries (e.g. a position in a prompt file).
+
+        The default task is stateless: its prompts depend only on the generator passed to
+        :meth:`sample_prompts`. Must hold only what ``torch.load(weights_only=True)`` reads.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` when a run resumes (stateless tasks accept ``{}``)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} is stateless but got state {sorted(state)}")
+
     def rewards(self, prompts: list[Prompt], completions: list[str]) -> list[float]:
         """Score a batch of completions, ``completions[i]`` answering ``prompts[i]``.
 
