@@ -1,6 +1,7 @@
 """Built-in lppo callbacks, one per file; importable as ``lppo.callbacks``."""
 
 from lppo.callbacks.abort_cleanup import AbortCleanup
+from lppo.callbacks.hf_export import HFExport
 from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
 from lppo.callbacks.metrics_logger import PPOMetricsLogger
 from lppo.callbacks.optimizer_step import OptimizerStep
@@ -11,6 +12,7 @@ from lppo.callbacks.run_summary import RunSummary
 
 __all__ = [
     "AbortCleanup",
+    "HFExport",
     "IterationCheckpoint",
     "OptimizerStep",
     "PPOMetricsLogger",

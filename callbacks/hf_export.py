@@ -1,0 +1,78 @@
+"""Exports the policy (and critic) as Hugging Face directories at the end of fit."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lppo.callbacks.reward_plot import run_dir
+
+
+class HFExport(Callback):
+    """At ``on_train_end`` (global rank zero) writes ``<directory>/policy`` (and ``critic``).
+
+    The layout is that of :func:`lppo.export.export_system`: ``<directory>/policy`` loads with
+    ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``;
+    ``<directory>/critic`` with :func:`lppo.export.load_critic`. With ``every_n_iterations``
+    the same is written to ``<directory>/iteration-NNNN`` after every N-th iteration
+    (``NNNN`` is the 0-based iteration index, as in the ``IterationCheckpoint`` names).
+
+    From YAML / the command line: ``--trainer.callbacks+=lppo.callbacks.HFExport``.
+
+    Args:
+        directory: export root; ``None`` means ``<trainer.default_root_dir>/hf``.
+        critic: also export the critic (backbone + value head).
+        every_n_iterations: also export every N iterations (``None``: only at the end).
+    """
+
+    def __init__(
+        self,
+        directory: str | None = None,
+        critic: bool = False,
+        every_n_iterations: int | None = None,
+    ) -> None:
+        super().__init__()
+        if every_n_iterations is not None and every_n_iterations < 1:
+            raise ValueError(
+                f"HFExport.every_n_iterations={every_n_iterations} must be >= 1 (or null)."
+            )
+        self.directory = directory
+        self.critic = critic
+        self.every_n_iterations = every_n_iterations
+        self.exported: list[Path] = []
+
+    def root(self, trainer: pl.Trainer) -> Path:
+        """The export root: ``directory``, or ``<run dir>/hf``."""
+        if self.directory is not None:
+            return Path(self.directory)
+        return Path(os.path.join(run_dir(trainer), "hf"))
+
+    def export(self, trainer: pl.Trainer, pl_module: Any, directory: Path) -> None:
+        """Export ``pl_module`` to ``directory`` on global rank zero.
+
+        Every rank holds the same weights at an iteration boundary, so the others do nothing.
+        """
+        if not trainer.is_global_zero:
+            return
+        # Imported here: `python -m lppo.export` must not find lppo.export already imported
+        # (lppo -> lppo.trainer -> lppo.callbacks).
+        from lppo.export import export_system
+
+        export_system(pl_module, directory, critic=self.critic)
+        self.exported.append(directory)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        """After every ``every_n_iterations``-th iteration, export to ``iteration-NNNN``."""
+        n = self.every_n_iterations
+        if n is None or (trainer.current_epoch + 1) % n != 0:
+            return
+        self.export(
+            trainer, pl_module, self.root(trainer) / f"iteration-{trainer.current_epoch:04d}"
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        """Export the final policy (and critic) to the export root."""
+        self.export(trainer, pl_module, self.root(trainer))
