@@ -67,7 +67,7 @@ class PPOController:
 
     Args:
         actor: the policy.
-        critic: the value model.
+        critic: the value model; ``None`` with a critic-free estimator (no critic phase).
         data: replay store + chunk planner.
         config: algorithm settings.
         reference: frozen reference policy for the KL penalty (needed when
@@ -83,7 +83,7 @@ class PPOController:
     def __init__(
         self,
         actor: ActorModule,
-        critic: CriticModule,
+        critic: CriticModule | None,
         data: ReplayDataModule,
         config: PPOConfig | None = None,
         reference: ActorModule | None = None,
@@ -105,6 +105,7 @@ class PPOController:
             )
         self.reference = reference
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
+        check_critic(critic, self.estimator)
         self.parallel = parallel if parallel is not None else ParallelContext()
         if self.parallel.data.size > 1 and data.store.shared:
             raise ValueError(
@@ -113,7 +114,7 @@ class PPOController:
                 "store; use a process-local store (lppo.replay.MemoryReplayStore) with "
                 "trainer.strategy=ppo_ddp."
             )
-        for module in (actor, critic):
+        for module in self.trainable_modules():
             module.parallel = self.parallel
         if self.config.disable_dropout:
             for module in (actor, critic, reference):
@@ -126,8 +127,8 @@ class PPOController:
         self.trainer = trainer
 
     def trainable_modules(self) -> tuple[PPOModule, ...]:
-        """The modules that take optimizer steps."""
-        return (self.critic, self.actor)
+        """The modules that take optimizer steps (critic first, when there is one)."""
+        return (self.actor,) if self.critic is None else (self.critic, self.actor)
 
     def run_iteration(
         self, rollout: Rollout, iteration: int, dropped: int = 0, rollout_seconds: float = 0.0
@@ -187,7 +188,9 @@ class PPOController:
         clock = _lap(seconds, "advantages", clock)
 
         # 4. critic epochs, 5. actor epochs (none during critic warmup)
-        phases = [("critic", self.critic, cfg.critic_epochs, cfg.critic_minibatches)]
+        phases: list[tuple[str, PPOModule, int, int]] = []
+        if self.critic is not None:
+            phases.append(("critic", self.critic, cfg.critic_epochs, cfg.critic_minibatches))
         if ctx.iteration >= cfg.critic_warmup_iterations:
             phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
         for phase, module, epochs, minibatches in phases:
@@ -242,10 +245,9 @@ class PPOController:
             if chunk.is_padding:
                 continue
             ctx.chunk = c
-            columns = {
-                OLD_LOGPROBS: unpad(chunk, self.actor.score(chunk)),
-                VALUES: unpad(chunk, self.critic.score(chunk)),
-            }
+            columns = {OLD_LOGPROBS: unpad(chunk, self.actor.score(chunk))}
+            if self.critic is not None:
+                columns[VALUES] = unpad(chunk, self.critic.score(chunk))
             if self.reference is not None:
                 columns[REF_LOGPROBS] = unpad(chunk, self.reference.score(chunk))
             self.data.store.write(chunk.row_ids, columns)
@@ -303,6 +305,27 @@ class PPOController:
     def _emit(self, hook: str, ctx: IterationContext, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(ctx, *args)
+
+
+def check_critic(critic: CriticModule | None, estimator: AdvantageEstimator) -> None:
+    """Reject a critic the estimator ignores, or a missing critic it needs.
+
+    Raises:
+        ValueError: naming ``model.critic``, ``model.estimator`` and the fix.
+    """
+    name = type(estimator).__name__
+    uses = bool(getattr(estimator, "uses_critic", True))
+    if uses and critic is None:
+        raise ValueError(
+            f"model.critic is null but model.estimator={name} needs a critic (its values and "
+            "returns); give model.critic, or pick a critic-free estimator "
+            "(lppo.estimators.GRPO, RLOO, ReinforcePP)."
+        )
+    if not uses and critic is not None:
+        raise ValueError(
+            f"model.estimator={name} is critic-free: the critic would train on targets nobody "
+            "writes; set model.critic: null (or use lppo.estimators.GAE)."
+        )
 
 
 def _lap(seconds: dict[str, float], phase: str, start: float) -> float:

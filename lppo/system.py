@@ -43,7 +43,8 @@ class PPOSystem(LightningModule):
 
     Args:
         actor: the policy (subclass :class:`ActorModule` to customize it).
-        critic: the value model (subclass :class:`CriticModule` to customize it).
+        critic: the value model (subclass :class:`CriticModule` to customize it); ``null``
+            with a critic-free estimator (``lppo.estimators.GRPO``, ``RLOO``, ``ReinforcePP``).
         task: prompt source and verifiable reward (subclass :class:`~lppo.tasks.Task`).
         engine: the rollout engine, any class implementing
             :class:`~lppo.rollout.RolloutEngine` (``null``: ``lppo.rollout.HFGenerateEngine``
@@ -64,7 +65,7 @@ class PPOSystem(LightningModule):
     def __init__(
         self,
         actor: ActorModule,
-        critic: CriticModule,
+        critic: CriticModule | None,
         task: Task,
         engine: RolloutEngine | None = None,
         estimator: AdvantageEstimator | None = None,
@@ -107,7 +108,8 @@ class PPOSystem(LightningModule):
         tok = self.tokenizer
         ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
         self.actor.configure_model(*ids)
-        self.critic.configure_model(*ids)
+        if self.critic is not None:
+            self.critic.configure_model(*ids)
         self.actor.temperature = self.rollout.temperature
         if self.ppo.kl_coef > 0:
             self.reference = copy.deepcopy(self.actor)
@@ -166,8 +168,9 @@ class PPOSystem(LightningModule):
 
     def configure_optimizers(self) -> Any:
         """Actor and critic optimizers (and schedulers), so checkpoints hold their state."""
-        optimizers = [self.actor.configure_optimizer(), self.critic.configure_optimizer()]
-        schedulers = [m.scheduler for m in (self.actor, self.critic) if m.scheduler is not None]
+        modules = [m for m in (self.actor, self.critic) if m is not None]
+        optimizers = [m.configure_optimizer() for m in modules]
+        schedulers = [m.scheduler for m in modules if m.scheduler is not None]
         return (optimizers, schedulers) if schedulers else optimizers
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

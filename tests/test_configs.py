@@ -13,14 +13,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_tiny_config_learns(tmp_path):
+@pytest.mark.parametrize("config", ["tiny.yaml", "grpo.yaml"])
+def test_config_learns(tmp_path, config):
     """The README's main job, unshrunk: the mean reward of the last three iterations clearly
-    exceeds that of the first three."""
+    exceeds that of the first three (with a critic, and critic-free)."""
     run(
         [
             "fit",
             "--config",
-            str(ROOT / "configs" / "tiny.yaml"),
+            str(ROOT / "configs" / config),
             "--trainer.default_root_dir",
             str(tmp_path),
         ]
@@ -34,4 +35,25 @@ def test_tiny_config_learns(tmp_path):
 
 def test_every_config_is_exercised():
     """A new config under configs/ must get a test here."""
-    assert sorted(p.name for p in (ROOT / "configs").glob("*.yaml")) == ["tiny.yaml"]
+    names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert names == ["dataset.yaml", "grpo.yaml", "tiny.yaml"]
+
+
+def test_dataset_config_runs(tmp_path, monkeypatch):
+    """``configs/dataset.yaml`` (prompts from ``examples/data/arith.jsonl``), shortened to 2
+    iterations, run from the repository root as the README runs it."""
+    monkeypatch.chdir(ROOT)
+    run(
+        [
+            "fit",
+            "--config",
+            "configs/dataset.yaml",
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 2
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()

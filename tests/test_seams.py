@@ -115,3 +115,35 @@ def test_float64_end_to_end_through_the_cli(tmp_path: Path) -> None:
     assert [h["iteration"] for h in logger.history] == [0, 1]
     assert all(math.isfinite(h["reward_mean"]) for h in logger.history)
     assert all(math.isfinite(h["actor_loss"]) for h in logger.history)
+
+
+def test_critic_free_run_builds_no_critic(tmp_path: Path) -> None:
+    cli = run(
+        fit_args(
+            tmp_path,
+            "--model.critic",
+            "null",
+            "--model.estimator",
+            "lppo.estimators.RLOO",
+            iterations=2,
+        )
+    )
+    system = cli.model
+    assert system.critic is None
+    assert not any(name.startswith("critic.") for name, _ in system.named_parameters())
+    logger = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "PPOMetricsLogger")
+    assert [h["iteration"] for h in logger.history] == [0, 1]
+    assert all(math.isnan(h["critic_loss"]) for h in logger.history)
+    assert cli.trainer.global_step == 2 * 2 * 2  # actor epochs x minibatches per iteration
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--model.critic", "null"], "model.critic is null but model.estimator=GAE needs"),
+        (["--model.estimator", "lppo.estimators.GRPO"], "set model.critic: null"),
+    ],
+)
+def test_critic_and_estimator_must_agree(tmp_path: Path, extra, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        run(fit_args(tmp_path, *extra))

@@ -2,5 +2,7 @@
 
 from lppo.estimators.base import AdvantageEstimator, EstimatorInputs
 from lppo.estimators.gae import GAE
+from lppo.estimators.outcome import GRPO, RLOO
+from lppo.estimators.reinforce_pp import ReinforcePP
 
-__all__ = ["GAE", "AdvantageEstimator", "EstimatorInputs"]
+__all__ = ["GAE", "GRPO", "RLOO", "AdvantageEstimator", "EstimatorInputs", "ReinforcePP"]

@@ -56,14 +56,22 @@ class EstimatorInputs:
 
 @runtime_checkable
 class AdvantageEstimator(Protocol):
-    """Computes advantages and returns of every valid row of an iteration."""
+    """Computes advantages (and, with a critic, returns) of every valid row of an iteration.
+
+    Attributes:
+        uses_critic: ``True``: the estimator reads the critic's ``values`` and writes the
+            ``returns`` it trains on; ``False``: it needs no critic (``model.critic: null``).
+    """
+
+    uses_critic: bool
 
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
-        """Write ``advantages`` and ``returns`` (``float[L_i]`` per row) into the store.
+        """Write ``advantages`` (and ``returns`` when it uses a critic) into the store.
 
         Args:
-            inputs: the rows (with ``reward``, ``values``, ``old_logprobs`` and, when
-                ``kl_coef > 0``, ``ref_logprobs`` columns) and the group to reduce over.
+            inputs: the rows (with ``reward``, ``prompt_index``, ``old_logprobs``, ``values``
+                when there is a critic and ``ref_logprobs`` when ``kl_coef > 0``) and the group
+                to reduce over.
 
         Returns:
             Iteration metrics reported under ``rollout/`` (e.g. ``kl_mean``).

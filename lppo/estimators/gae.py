@@ -25,6 +25,8 @@ class GAE:
         whiten: whiten advantages with the iteration's mean and standard deviation.
     """
 
+    uses_critic = True
+
     def __init__(
         self,
         gamma: float = 1.0,

@@ -1,0 +1,59 @@
+"""``ReinforcePP``: REINFORCE++ (Hu 2025): discounted token returns, normalized over the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from lppo.algorithms import gae, kl_penalty, token_rewards, whiten
+from lppo.estimators.base import EstimatorInputs
+from lppo.stats import Moments
+from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD
+
+
+class ReinforcePP:
+    """Critic-free token advantages: ``A_t = whiten(Σ_{t' ≥ t} γ^{t'−t} r_{t'})``.
+
+    ``r_t = r·[t = last] − β·KL_t`` (:func:`~lppo.algorithms.token_rewards`, KL in the reward),
+    the discounted return walks valid tokens (GAE with ``V = 0`` and ``λ = 1`` is exactly that
+    sum), and the returns are whitened with the mean and standard deviation over every valid
+    token of the iteration (all chunks, all ranks), in a second streamed pass.
+
+    Args:
+        gamma: discount γ.
+        whiten: normalize the returns over the batch (the "++": global normalization).
+    """
+
+    uses_critic = False
+
+    def __init__(self, gamma: float = 1.0, whiten: bool = True) -> None:
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"model.estimator.init_args.gamma={gamma} must lie in [0, 1].")
+        self.gamma = gamma
+        self.whiten = whiten
+
+    @torch.no_grad()
+    def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
+        """Write the (whitened) discounted returns as advantages; report the mean KL."""
+        use_kl = inputs.kl_coef > 0
+        names = [REWARD] + ([OLD_LOGPROBS, REF_LOGPROBS] if use_kl else [])
+        moments, kl_moments = Moments(), Moments()
+        for chunk in inputs.chunks(names):
+            mask = chunk.response_mask
+            assert chunk.reward is not None
+            kl = None
+            if use_kl:
+                assert chunk.old_logprobs is not None and chunk.ref_logprobs is not None
+                kl = kl_penalty(chunk.old_logprobs, chunk.ref_logprobs, inputs.kl_kind)
+                kl_moments.update(kl, mask)
+            rewards = token_rewards(chunk.reward, mask, kl, inputs.kl_coef)
+            returns = gae(rewards, torch.zeros_like(rewards), mask, self.gamma, 1.0)
+            moments.update(returns, mask)
+            inputs.write(chunk, {ADVANTAGES: returns})
+        if self.whiten:
+            moments.all_reduce(inputs.group)
+            for chunk in inputs.chunks([ADVANTAGES]):
+                assert chunk.advantages is not None
+                white = whiten(chunk.advantages, chunk.response_mask, moments)
+                inputs.write(chunk, {ADVANTAGES: white})
+        kl_moments.all_reduce(inputs.group)
+        return {"kl_mean": kl_moments.mean if kl_moments.count else 0.0}
