@@ -5,6 +5,7 @@ from __future__ import annotations
 from lppo.tasks.arithmetic import ArithmeticTask
 from lppo.tasks.base import Prompt, Task
 from lppo.tasks.copy import CopyTask
+from lppo.tasks.dataset import DatasetTask
 
 #: Short name -> task class.
 TASKS: dict[str, type[Task]] = {
@@ -31,4 +32,4 @@ def get_task(name: str) -> type[Task]:
         raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}") from None
 
 
-__all__ = ["TASKS", "ArithmeticTask", "CopyTask", "Prompt", "Task", "get_task"]
+__all__ = ["TASKS", "ArithmeticTask", "CopyTask", "DatasetTask", "Prompt", "Task", "get_task"]
