@@ -3,8 +3,9 @@
 An iteration (:meth:`PPOController.run_iteration`) is, in order:
 
 1. **collect**: the rollout's rows get ids from the store and are ``put`` into it;
-2. **score**: π_old log-probabilities, reference log-probabilities and old values, streamed
-   chunk by chunk and written back as columns;
+2. **score**: π_old log-probabilities, reference log-probabilities, old values and the reward
+   model's scores, streamed chunk by chunk and written back as columns (a reward model's
+   score is then combined with the task's reward, row by row);
 3. **advantages**: the advantage estimator (``GAE`` by default) writes advantages and returns;
 4. **critic epochs**, then 5. **actor epochs**: ``begin → train_chunk* → finish`` per step;
 6. **release**: the rows leave the store exactly once.
@@ -34,6 +35,7 @@ from lppo.data import ReplayDataModule
 from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule, PPOModule
+from lppo.modules.reward_model import RewardModel
 from lppo.parallel import SINGLE, ParallelContext
 from lppo.types import (
     ADVANTAGES,
@@ -42,6 +44,8 @@ from lppo.types import (
     RESPONSE_MASK,
     RETURNS,
     REWARD,
+    RM_SCORE,
+    TASK_REWARD,
     VALUES,
     IterationResult,
     Rollout,
@@ -78,6 +82,8 @@ class PPOController:
         parallel: the process groups; the actor, critic and planner use its data-parallel
             group.
         trainer: the Lightning trainer when run under one (handed to the hooks).
+        reward_model: a learned reward scored in the score phase and combined with the
+            task's reward before the advantages.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class PPOController:
         estimator: AdvantageEstimator | None = None,
         parallel: ParallelContext | None = None,
         trainer: Any = None,
+        reward_model: RewardModel | None = None,
     ) -> None:
         from lppo.callbacks import AbortCleanup, OptimizerStep, RowRetention
 
@@ -104,6 +111,7 @@ class PPOController:
                 "reference= (PPOSystem builds a frozen copy of the actor) or set kl_coef=0."
             )
         self.reference = reference
+        self.reward_model = reward_model
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
         check_critic(critic, self.estimator)
         self.parallel = parallel if parallel is not None else ParallelContext()
@@ -178,7 +186,7 @@ class PPOController:
         plan = self.data.plan(ctx.row_ids, "score", ctx.iteration, dropped=dropped, shard=False)
         stats["invalid_rows"] = float(len(plan.invalid_rows))
         step = plan.steps[0]
-        self._score(ctx, step)
+        stats.update(self._score(ctx, step))
         clock = _lap(seconds, "score", clock)
 
         # 3. advantages (every rank holds and scores every row: nothing to reduce over ranks)
@@ -239,8 +247,9 @@ class PPOController:
         }
 
     @torch.no_grad()
-    def _score(self, ctx: IterationContext, step: StepPlan) -> None:
-        """Write π_old log-probabilities, reference log-probabilities and old values."""
+    def _score(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
+        """Write π_old and reference log-probabilities, old values and reward-model rewards."""
+        scores: dict[int, float] = {}
         for c, chunk in enumerate(self.data.stream(step, [])):
             if chunk.is_padding:
                 continue
@@ -250,8 +259,36 @@ class PPOController:
                 columns[VALUES] = unpad(chunk, self.critic.score(chunk))
             if self.reference is not None:
                 columns[REF_LOGPROBS] = unpad(chunk, self.reference.score(chunk))
+            if self.reward_model is not None:
+                rows = self.reward_model.score(chunk).tolist()
+                scores.update(zip(chunk.row_ids, rows, strict=True))
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
+        return self._combine_rewards(scores) if self.reward_model is not None else {}
+
+    def _combine_rewards(self, scores: dict[int, float]) -> dict[str, float]:
+        """Replace each scored row's reward by the reward model's combination (row scalars).
+
+        The task's reward is kept as ``task_reward`` and the raw score as ``rm_score``.
+        """
+        assert self.reward_model is not None
+        ids = list(scores)
+        task = torch.stack(self.data.store.read(ids, [REWARD])[REWARD])
+        raw = torch.tensor([scores[i] for i in ids], dtype=torch.float64)
+        combined = self.reward_model.combine(task, raw).to(task.dtype)
+        self.data.store.write(
+            ids,
+            {
+                REWARD: list(combined.unbind(0)),
+                TASK_REWARD: list(task.unbind(0)),
+                RM_SCORE: list(raw.unbind(0)),
+            },
+        )
+        return {
+            "rm_score_mean": float(raw.mean()),
+            "rm_score_std": float(raw.std(unbiased=False)),
+            "reward_combined_mean": float(combined.double().mean()),
+        }
 
     def _train_phase(
         self,

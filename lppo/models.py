@@ -190,6 +190,41 @@ class HFCausalLM:
         )
         return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)
 
+    def build_classifier(
+        self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
+    ) -> transformers.PreTrainedModel:
+        """Build a sequence classifier with one output (a reward model).
+
+        A checkpoint is loaded with ``AutoModelForSequenceClassification`` (``num_labels`` 1); a
+        random model gets a random ``score`` head from the same seed.
+
+        Args:
+            vocab_size: number of token ids of the tokenizer.
+            pad_token_id: padding id.
+            bos_token_id: beginning-of-sequence id.
+            eos_token_id: end-of-sequence id.
+
+        Returns:
+            A ``*ForSequenceClassification`` model with ``base_model`` and ``score``.
+        """
+        if self.pretrained_path is None:
+            cfg = self.make_config(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+            cfg.num_labels = 1
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = transformers.AutoModelForSequenceClassification.from_config(
+                    cfg, attn_implementation=self.attn_implementation
+                )
+            return model.to(self.torch_dtype)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            self.pretrained_path,
+            num_labels=1,
+            dtype=self.torch_dtype,
+            local_files_only=True,
+            attn_implementation=self.attn_implementation,
+        )
+        return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)
+
     def build_backbone(
         self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int
     ) -> transformers.PreTrainedModel:

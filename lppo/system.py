@@ -15,7 +15,7 @@ from lppo.data import ReplayDataModule
 from lppo.estimators import GAE, AdvantageEstimator
 from lppo.hooks import PPOCallback
 from lppo.loop import attached_trainer, instantiated_by_cli
-from lppo.modules import ActorModule, CriticModule
+from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
 from lppo.strategy import check_strategy, parallel_context
@@ -52,6 +52,9 @@ class PPOSystem(LightningModule):
         estimator: the advantage estimator, any class implementing
             :class:`~lppo.estimators.AdvantageEstimator` (``null``: ``lppo.estimators.GAE``
             with its defaults).
+        reward_model: a learned reward (:class:`~lppo.modules.RewardModel`) scored in the
+            streamed score phase and combined with the task's reward (``null``: the task's
+            reward alone).
         rollout: sampling settings, the one source of them (the actor scores with the same
             temperature).
         ppo: algorithm settings.
@@ -69,6 +72,7 @@ class PPOSystem(LightningModule):
         task: Task,
         engine: RolloutEngine | None = None,
         estimator: AdvantageEstimator | None = None,
+        reward_model: RewardModel | None = None,
         rollout: RolloutSettings = RolloutSettings(),
         ppo: PPOConfig = PPOConfig(),
         tokenizer_path: str | None = None,
@@ -79,7 +83,16 @@ class PPOSystem(LightningModule):
         # Under LightningCLI the hparams are the parsed config (class_path / init_args), from
         # which `PPOSystem.load_from_checkpoint` rebuilds everything; from Python, objects are
         # kept out of the hparams so checkpoints stay loadable with weights_only=True.
-        objects = ["actor", "critic", "task", "engine", "estimator", "rollout", "ppo"]
+        objects = [
+            "actor",
+            "critic",
+            "task",
+            "engine",
+            "estimator",
+            "reward_model",
+            "rollout",
+            "ppo",
+        ]
         self.save_hyperparameters(ignore=[] if instantiated_by_cli() else objects, logger=False)
         self.automatic_optimization = False
         self.actor = actor
@@ -87,6 +100,7 @@ class PPOSystem(LightningModule):
         self.task = task
         self.engine: RolloutEngine = engine if engine is not None else HFGenerateEngine()
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
+        self.reward_model = reward_model
         self.rollout = rollout
         self.ppo = ppo
         self.tokenizer_path = tokenizer_path
@@ -108,8 +122,9 @@ class PPOSystem(LightningModule):
         tok = self.tokenizer
         ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
         self.actor.configure_model(*ids)
-        if self.critic is not None:
-            self.critic.configure_model(*ids)
+        for module in (self.critic, self.reward_model):
+            if module is not None:
+                module.configure_model(*ids)
         self.actor.temperature = self.rollout.temperature
         if self.ppo.kl_coef > 0:
             self.reference = copy.deepcopy(self.actor)
@@ -141,6 +156,7 @@ class PPOSystem(LightningModule):
             estimator=self.estimator,
             parallel=parallel,
             trainer=trainer,
+            reward_model=self.reward_model,
         )
         self.engine.setup(self.actor.model, tok, r)
         self.rollout_source = RolloutSource(

@@ -23,6 +23,8 @@ REF_LOGPROBS = "ref_logprobs"
 VALUES = "values"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
+TASK_REWARD = "task_reward"
+RM_SCORE = "rm_score"
 
 
 @dataclass
