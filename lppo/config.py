@@ -23,6 +23,10 @@ class PPOConfig:
         critic_warmup_iterations: the first N iterations train only the critic.
         mask_truncated: overlong filtering; responses cut at ``max_new_tokens`` become invalid
             rows (never trained, counted against the drop budget).
+        max_consecutive_skipped_steps: optimizer steps of one module skipped in a row (non-finite
+            gradient norm) before the run stops with an error; every skip is warned about.
+        max_skipped_steps: skipped steps over the whole run (actor and critic together) before
+            the run stops (``null``: no total limit).
         disable_dropout: set every dropout probability of the actor, critic and reference to
             0 at setup (as TRL and verl do for RL): old log-probabilities are scored without
             dropout, so with dropout left on in training the first ratio would not be 1.
@@ -36,6 +40,8 @@ class PPOConfig:
     actor_minibatches: int = 1
     critic_warmup_iterations: int = 0
     mask_truncated: bool = False
+    max_consecutive_skipped_steps: int = 3
+    max_skipped_steps: int | None = None
     disable_dropout: bool = True
 
     def __post_init__(self) -> None:
@@ -44,6 +50,18 @@ class PPOConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.ppo.{key}={value!r} must be an integer >= 1.")
+        if (
+            not isinstance(self.max_consecutive_skipped_steps, int)
+            or self.max_consecutive_skipped_steps < 0
+        ):
+            raise ValueError(
+                "model.ppo.max_consecutive_skipped_steps="
+                f"{self.max_consecutive_skipped_steps!r} must be an integer >= 0."
+            )
+        if self.max_skipped_steps is not None and self.max_skipped_steps < 0:
+            raise ValueError(
+                f"model.ppo.max_skipped_steps={self.max_skipped_steps} must be >= 0 or null."
+            )
         if self.kl_coef < 0:
             raise ValueError(f"model.ppo.kl_coef={self.kl_coef} must be >= 0 (0 disables it).")
         if self.kl_kind not in ("k1", "k2", "k3"):

@@ -287,3 +287,36 @@ def test_a_shared_store_is_rejected_under_data_parallelism():
     with pytest.raises(ValueError, match=r"data\.store=SharedStore is shared"):
         PPOController(actor, critic, data, parallel=two_ranks)
     PPOController(actor, critic, data)  # one process: fine
+
+
+class NaNActor(ActorModule):
+    """An actor whose loss is NaN: every step it takes is skipped."""
+
+    def chunk_loss(self, chunk, sums):
+        return super().chunk_loss(chunk, sums) * float("nan")
+
+
+@pytest.mark.parametrize(
+    ("limits", "fails_at", "key"),
+    [
+        ({"max_consecutive_skipped_steps": 2}, 2, "max_consecutive_skipped_steps=2"),
+        ({"max_skipped_steps": 1, "max_consecutive_skipped_steps": 10}, 1, "max_skipped_steps=1"),
+    ],
+)
+def test_skipped_steps_are_warned_and_budgeted(limits, fails_at, key):
+    data = ReplayDataModule(max_tokens_per_chunk=30)
+    ctl = PPOController(
+        NaNActor(tiny_lm(), lr=1e-3), CriticModule(tiny_backbone()), data, PPOConfig(**limits)
+    )
+    before = [p.detach().clone() for p in ctl.actor.parameters()]
+    for i in range(fails_at):
+        with pytest.warns(RuntimeWarning, match=r"actor step skipped, gradient norm nan"):
+            result = ctl.run_iteration(make_rollout(4, i), iteration=i)
+        assert not result.phase_steps("actor")[0].stepped
+        assert result.phase_steps("critic")[0].stepped  # the critic trains on
+    with pytest.raises(
+        IterationError, match=rf"phase actor, epoch 0: SkippedStepsExceeded: .*{key}"
+    ):
+        ctl.run_iteration(make_rollout(4, 9), iteration=fails_at)
+    assert all(torch.equal(a, b) for a, b in zip(before, ctl.actor.parameters(), strict=True))
+    assert len(data.store) == 0

@@ -147,3 +147,34 @@ def test_critic_free_run_builds_no_critic(tmp_path: Path) -> None:
 def test_critic_and_estimator_must_agree(tmp_path: Path, extra, fragment) -> None:
     with pytest.raises(ValueError, match=fragment):
         run(fit_args(tmp_path, *extra))
+
+
+class _BadRewards(BatchOnlyTask):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def rewards(self, prompts, completions):
+        if self.mode == "raise":
+            raise KeyError("no such verifier")
+        if self.mode == "count":
+            return [0.0] * (len(completions) - 1)
+        if self.mode == "type":
+            return ["1.0"] + [0.0] * (len(completions) - 1)
+        return 0.5
+
+
+@pytest.mark.parametrize(
+    ("mode", "fragment"),
+    [
+        ("raise", r"_BadRewards\.rewards raised KeyError: 'no such verifier' \(batch of 8"),
+        ("count", r"returned 7 rewards for 8 samples"),
+        ("type", r"returned str '1\.0' for sample 0 \(prompt '.+', completion"),
+        ("scalar", r"returned float; return one float per sample"),
+    ],
+)
+def test_a_broken_reward_function_fails_clearly(tmp_path: Path, mode, fragment) -> None:
+    from lppo.controller import IterationError
+
+    with pytest.raises(IterationError, match=rf"iteration 0, phase rollout: .*{fragment}"):
+        fit(tmp_path, iterations=1, task=_BadRewards(mode))

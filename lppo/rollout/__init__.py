@@ -3,6 +3,7 @@
 from lppo.rollout.base import (
     TRUNCATED,
     GenerationOutput,
+    RewardError,
     RolloutEngine,
     RolloutSettings,
     score,
@@ -15,6 +16,7 @@ __all__ = [
     "TRUNCATED",
     "GenerationOutput",
     "HFGenerateEngine",
+    "RewardError",
     "RolloutEngine",
     "RolloutSettings",
     "RolloutSource",

@@ -7,6 +7,7 @@ under the sampling distribution; prompt positions hold ``False`` / 0.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -128,6 +129,10 @@ class RolloutEngine(Protocol):
         ...
 
 
+class RewardError(ValueError):
+    """The task's reward function failed or returned something other than one number per sample."""
+
+
 def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> torch.Tensor:
     """Reward every sample of ``output`` with one batch call of ``task.rewards``.
 
@@ -137,19 +142,36 @@ def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> to
         output: the generated samples.
 
     Returns:
-        ``float32[n]`` rewards.
+        ``float32[n]`` rewards (non-finite ones make their rows invalid later).
 
     Raises:
-        ValueError: the task returned a number of rewards other than the number of samples.
+        RewardError: ``task.rewards`` raised, or did not return one real number per sample; the
+            message names the task, the sample and its prompt.
     """
     answered = [prompts[int(i)] for i in output.prompt_index.tolist()]
-    rewards = task.rewards(answered, list(output.completions))
+    name = f"{type(task).__name__}.rewards"
+    try:
+        rewards = task.rewards(answered, list(output.completions))
+    except Exception as error:
+        raise RewardError(
+            f"{name} raised {type(error).__name__}: {error} (batch of {len(output)} samples, "
+            f"first prompt {answered[0].text if answered else None!r})"
+        ) from error
+    if getattr(rewards, "ndim", None) == 1:  # a 1-D torch tensor or numpy array
+        rewards = rewards.tolist()  # type: ignore[union-attr]
+    if isinstance(rewards, str | bytes) or not isinstance(rewards, Sequence | list):
+        raise RewardError(f"{name} returned {type(rewards).__name__}; return one float per sample.")
     if len(rewards) != len(output):
-        raise ValueError(
-            f"{type(task).__name__}.rewards returned {len(rewards)} rewards for "
-            f"{len(output)} samples."
-        )
-    return torch.tensor([float(r) for r in rewards], dtype=torch.float32)
+        raise RewardError(f"{name} returned {len(rewards)} rewards for {len(output)} samples.")
+    values = []
+    for j, (reward, prompt) in enumerate(zip(rewards, answered, strict=True)):
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+            raise RewardError(
+                f"{name} returned {type(reward).__name__} {reward!r} for sample {j} (prompt "
+                f"{prompt.text!r}, completion {output.completions[j]!r}); return a float."
+            )
+        values.append(float(reward))
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def to_rollout(

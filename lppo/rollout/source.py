@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import random
 
+from lppo.controller import IterationError
 from lppo.modules import ActorModule
 from lppo.parallel import SINGLE, ProcessGroup
-from lppo.rollout.base import RolloutEngine, RolloutSettings, score, to_rollout
+from lppo.rollout.base import RewardError, RolloutEngine, RolloutSettings, score, to_rollout
 from lppo.tasks import Task
 from lppo.types import Rollout
 
@@ -87,6 +88,10 @@ class RolloutSource:
             output = self.engine.generate(
                 prompts, s.samples_per_prompt, seed=derive_seed(self.seed, "generate", iteration)
             )
-            rollout = to_rollout(output, score(self.task, prompts, output))
+            try:
+                rewards = score(self.task, prompts, output)
+            except RewardError as error:
+                raise IterationError(f"iteration {iteration}, phase rollout: {error}") from error
+            rollout = to_rollout(output, rewards)
         # Rank 0's rows everywhere, even where generation is not reproducible across devices.
         return self.group.broadcast_object(rollout, src=0)
