@@ -23,6 +23,8 @@ class PPOConfig:
         critic_warmup_iterations: the first N iterations train only the critic.
         mask_truncated: overlong filtering; responses cut at ``max_new_tokens`` become invalid
             rows (never trained, counted against the drop budget).
+        max_abs_reward: rewards with a larger magnitude (like non-finite ones) make their row
+            invalid: counted, never trained on (``null``: only non-finite rewards do).
         max_consecutive_skipped_steps: optimizer steps of one module skipped in a row (non-finite
             gradient norm) before the run stops with an error; every skip is warned about.
         max_skipped_steps: skipped steps over the whole run (actor and critic together) before
@@ -40,6 +42,7 @@ class PPOConfig:
     actor_minibatches: int = 1
     critic_warmup_iterations: int = 0
     mask_truncated: bool = False
+    max_abs_reward: float | None = None
     max_consecutive_skipped_steps: int = 3
     max_skipped_steps: int | None = None
     disable_dropout: bool = True
@@ -57,6 +60,10 @@ class PPOConfig:
             raise ValueError(
                 "model.ppo.max_consecutive_skipped_steps="
                 f"{self.max_consecutive_skipped_steps!r} must be an integer >= 0."
+            )
+        if self.max_abs_reward is not None and not 0 < self.max_abs_reward < float("inf"):
+            raise ValueError(
+                f"model.ppo.max_abs_reward={self.max_abs_reward} must be finite and > 0, or null."
             )
         if self.max_skipped_steps is not None and self.max_skipped_steps < 0:
             raise ValueError(

@@ -226,8 +226,12 @@ class PPOController:
         masks = columns[RESPONSE_MASK]
         rewards = columns[REWARD]
         truncated = columns.pop("truncated", None)
+        bound = self.config.max_abs_reward
+        bad_rewards = 0
         for i, reward in enumerate(rewards):
-            bad_reward = not math.isfinite(float(reward))
+            value = float(reward)
+            bad_reward = not math.isfinite(value) or (bound is not None and abs(value) > bound)
+            bad_rewards += bad_reward
             overlong = self.config.mask_truncated and truncated is not None and bool(truncated[i])
             if bad_reward or overlong:
                 masks[i] = torch.zeros_like(masks[i])
@@ -237,13 +241,14 @@ class PPOController:
         self.data.store.put(ids, columns)
         ctx.row_ids = ids
         self._emit("on_rollout_end", ctx)
-        finite = rollout.reward[torch.isfinite(rollout.reward)].double()
+        finite = rollout.reward[torch.isfinite(rollout.reward)].double()  # reported as given
         lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
         return {
             "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
             "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
             "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
             "dropped_rows": float(dropped),
+            "bad_rewards": float(bad_rewards),
         }
 
     @torch.no_grad()

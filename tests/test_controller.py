@@ -320,3 +320,15 @@ def test_skipped_steps_are_warned_and_budgeted(limits, fails_at, key):
         ctl.run_iteration(make_rollout(4, 9), iteration=fails_at)
     assert all(torch.equal(a, b) for a, b in zip(before, ctl.actor.parameters(), strict=True))
     assert len(data.store) == 0
+
+
+def test_absurd_rewards_make_rows_invalid():
+    rollout = make_rollout(5, 4)
+    rollout.reward[0] = 1e9
+    rollout.reward[3] = float("-inf")
+    ctl = make_controller(drop_budget=2, max_abs_reward=100.0)
+    result = ctl.run_iteration(rollout, iteration=0)
+    assert result.rollout["bad_rewards"] == 2 and result.rollout["invalid_rows"] == 2
+    assert result.steps[0].valid_rows == 3
+    with pytest.raises(ValueError, match=r"model\.ppo\.max_abs_reward=0"):
+        PPOConfig(max_abs_reward=0.0)
