@@ -1,6 +1,7 @@
 """Built-in lppo callbacks, one per file; importable as ``lppo.callbacks``."""
 
 from lppo.callbacks.abort_cleanup import AbortCleanup
+from lppo.callbacks.evaluation import Evaluation
 from lppo.callbacks.hf_export import HFExport
 from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
 from lppo.callbacks.metrics_logger import PPOMetricsLogger
@@ -12,6 +13,7 @@ from lppo.callbacks.run_summary import RunSummary
 
 __all__ = [
     "AbortCleanup",
+    "Evaluation",
     "HFExport",
     "IterationCheckpoint",
     "OptimizerStep",

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+from lppo.callbacks.evaluation import Evaluation
 
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.types import IterationResult
@@ -20,12 +21,24 @@ def run_dir(trainer: pl.Trainer) -> str:
     return str(trainer.log_dir or os.getcwd())
 
 
+def evaluation_points(trainer: pl.Trainer) -> dict[str, list[tuple[int, float]]]:
+    """``{prefix: [(iteration, eval reward_mean), ...]}`` of the trainer's ``Evaluation``s."""
+    return {
+        cb.prefix: cb.points("reward_mean")
+        for cb in trainer.callbacks
+        if isinstance(cb, Evaluation) and cb.history
+    }
+
+
 class RewardCurve(PPOCallback):
     """Collects ``rollout/reward_mean`` ± ``reward_std`` per iteration and plots them.
 
     Points are read from the ``IterationResult`` of every ``on_iteration_end`` and kept in
     :meth:`state_dict`, so a resumed run plots the whole curve. At ``on_train_end`` the global
-    rank zero writes a PNG (matplotlib, Agg canvas) to ``<dirpath>/<filename>``.
+    rank zero writes a PNG (matplotlib, Agg canvas) to ``<dirpath>/<filename>``; when the
+    trainer has :class:`~lppo.callbacks.Evaluation` callbacks, their held-out
+    ``eval/reward_mean`` points (read from their history at that moment, so resumed runs
+    included) are drawn too, one series per ``prefix``.
 
     Args:
         filename: name of the PNG file.
@@ -45,6 +58,7 @@ class RewardCurve(PPOCallback):
         self.dirpath = dirpath
         self.title = title
         self.points: list[tuple[int, float, float]] = []
+        self.eval_points: dict[str, list[tuple[int, float]]] = {}
         self._path: str | None = None
 
     @property
@@ -77,12 +91,16 @@ class RewardCurve(PPOCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the PNG (global rank zero only)."""
         path = self.resolve_path(trainer)
+        self.eval_points = evaluation_points(trainer)
         if trainer.is_global_zero:
             self.write(path)
 
     # ------------------------------------------------------------------ drawing
     def write(self, path: str | None = None) -> str:
-        """Draw the collected points to ``path`` (default :attr:`path`) and return it."""
+        """Draw the collected points (and :attr:`eval_points`) to ``path`` and return it.
+
+        ``path`` defaults to :attr:`path`.
+        """
         path = path if path is not None else self._path
         if path is None:
             raise ValueError("RewardCurve.write needs a path before the trainer is known.")
@@ -104,6 +122,15 @@ class RewardCurve(PPOCallback):
                 label="± std",
             )
             ax.plot(xs, means, marker="o" if len(xs) < 50 else None, label="reward mean")
+        for prefix, points in sorted(self.eval_points.items()):
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="s",
+                linestyle="--",
+                label=f"{prefix} reward mean (held-out prompts)",
+            )
+        if xs or self.eval_points:
             ax.legend(loc="best")
         else:
             ax.text(0.5, 0.5, "no iterations", ha="center", va="center", transform=ax.transAxes)

@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
+from lppo.callbacks.evaluation import Evaluation
 from lppo.callbacks.reward_plot import RewardCurve, run_dir
 
 from lppo.hooks import IterationContext, PPOCallback
@@ -33,7 +34,9 @@ class RunSummary(PPOCallback):
     the first and last ``window`` iterations, wall time (accumulated over resumes), and where
     the outputs are: each logger's folder and ``metrics.csv`` (for a
     :class:`~lightning.pytorch.loggers.CSVLogger`), the :class:`RewardCurve` PNG, and the
-    checkpoint folder / best and last checkpoints of ``trainer.checkpoint_callback``.
+    checkpoint folder / best and last checkpoints of ``trainer.checkpoint_callback``; with
+    :class:`~lppo.callbacks.Evaluation` callbacks, ``evaluation`` holds each one's latest
+    held-out metrics under its ``prefix``.
 
     Rewards are collected from the ``IterationResult`` of each ``on_iteration_end`` and kept
     in :meth:`state_dict`.
@@ -116,6 +119,11 @@ class RunSummary(PPOCallback):
                 "best": getattr(ckpt, "best_model_path", None) or None,
                 "last": getattr(ckpt, "last_model_path", None) or None,
             }
+        evaluation = {
+            cb.prefix: {k: _json_float(float(v)) for k, v in cb.history[-1].items()}
+            for cb in trainer.callbacks
+            if isinstance(cb, Evaluation) and cb.history
+        }
         return {
             "iterations": len(self.rewards),
             "max_iterations": trainer.max_epochs,
@@ -132,6 +140,7 @@ class RunSummary(PPOCallback):
             "loggers": loggers,
             "reward_curve": curve_path,
             "checkpoints": checkpoints,
+            "evaluation": evaluation or None,
         }
 
     @staticmethod
@@ -156,6 +165,12 @@ class RunSummary(PPOCallback):
         for entry in summary["loggers"]:
             if "metrics_csv" not in entry:
                 lines.append(f"  {entry['type']:<16}: {entry['log_dir']}")
+        for prefix, last in (summary.get("evaluation") or {}).items():
+            passes = ", ".join(f"{k} {num(v)}" for k, v in last.items() if k.startswith("pass@"))
+            lines.append(
+                f"  {prefix + ' (held-out)':<16}: iteration {int(last['iteration'] or 0) + 1} | "
+                f"reward {num(last['reward_mean'])} | accuracy {num(last['accuracy'])} | {passes}"
+            )
         if summary["reward_curve"]:
             lines.append(f"  reward curve    : {summary['reward_curve']}")
         ckpt = summary["checkpoints"]

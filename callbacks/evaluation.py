@@ -1,0 +1,361 @@
+"""Evaluates the policy on a fixed prompt set every N iterations (``eval/*`` metrics)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import lightning.pytorch as pl
+import torch
+from lppo.callbacks.metrics_logger import PPOMetricsLogger
+
+from lppo.hooks import PPOCallback
+from lppo.rollout.base import GenerationOutput, RewardError, RolloutEngine, score
+from lppo.tasks.base import Prompt, Task
+
+if TYPE_CHECKING:
+    from lppo.system import PPOSystem
+
+#: A sample is correct when its reward reaches this value (tasks give exactly 1.0 to the
+#: reference answer; rewards lie in ``[0, 1]``).
+CORRECT_REWARD = 1.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)``.
+
+    The probability that at least one of ``k`` samples drawn without replacement from ``n``
+    samples, ``c`` of them correct, is correct. With ``k = 1`` it is ``c / n``; with
+    ``k = n`` it is 1 when any sample is correct, else 0.
+
+    Args:
+        n: samples generated for the prompt.
+        c: correct samples among them.
+        k: the ``k`` of pass@k.
+
+    Returns:
+        The estimate, in ``[0, 1]``.
+
+    Raises:
+        ValueError: unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n, got n={n}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluation_metrics(
+    rewards: Sequence[float], response_lengths: Sequence[float], samples_per_prompt: int
+) -> dict[str, float]:
+    """The evaluation metrics of samples grouped by prompt (``samples_per_prompt`` each).
+
+    Sample ``j`` of prompt ``i`` is at index ``i * samples_per_prompt + j`` (the layout of
+    :class:`~lppo.rollout.GenerationOutput`).
+
+    Args:
+        rewards: one reward per sample.
+        response_lengths: response tokens (EOS included) per sample.
+        samples_per_prompt: ``k``, the samples per prompt.
+
+    Returns:
+        ``reward_mean`` (over finite rewards; NaN without any), ``accuracy`` (fraction of
+        samples with reward >= :data:`CORRECT_REWARD`), ``pass@1`` and ``pass@k`` (unbiased
+        estimator averaged over prompts; one key when ``k = 1``) and ``response_length_mean``.
+
+    Raises:
+        ValueError: no sample, lengths that do not match, or a sample count that is not a
+            multiple of ``samples_per_prompt``.
+    """
+    k = samples_per_prompt
+    n = len(rewards)
+    if n == 0 or k < 1 or n % k or len(response_lengths) != n:
+        raise ValueError(
+            f"evaluation_metrics needs a positive multiple of samples_per_prompt={k} rewards "
+            f"and as many lengths, got {n} rewards and {len(response_lengths)} lengths"
+        )
+    correct = [float(r) >= CORRECT_REWARD for r in rewards]  # NaN is never correct
+    per_prompt = [sum(correct[i : i + k]) for i in range(0, n, k)]
+    finite = [float(r) for r in rewards if math.isfinite(float(r))]
+    metrics = {
+        "reward_mean": sum(finite) / len(finite) if finite else math.nan,
+        "accuracy": sum(correct) / n,
+        "pass@1": sum(pass_at_k(k, c, 1) for c in per_prompt) / len(per_prompt),
+    }
+    metrics[f"pass@{k}"] = sum(pass_at_k(k, c, k) for c in per_prompt) / len(per_prompt)
+    metrics["response_length_mean"] = sum(float(x) for x in response_lengths) / n
+    return metrics
+
+
+@contextlib.contextmanager
+def undisturbed(module: torch.nn.Module) -> Iterator[None]:
+    """Run a block without gradients, then restore RNGs and every submodule's train/eval mode.
+
+    Forks torch's CPU RNG and that of every initialized CUDA device, and saves Python's
+    ``random`` state (and NumPy's, when installed), so whatever the block draws leaves the
+    training trajectory untouched.
+
+    Args:
+        module: the module whose (and whose submodules') ``training`` flags are restored.
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    python_state = random.getstate()
+    numpy_state = _numpy_state()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            import numpy
+
+            numpy.random.set_state(numpy_state)
+        for m, training in modes:
+            m.training = training
+
+
+def _numpy_state() -> Any:
+    """NumPy's global RNG state, or ``None`` without NumPy."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch / transformers
+        return None
+    return numpy.random.get_state()
+
+
+class Evaluation(PPOCallback):
+    """Evaluates the policy during training on a fixed set of prompts drawn apart from training.
+
+    The prompts are drawn **once**, at setup, with ``task.sample_prompts(num_prompts,
+    random.Random(seed))`` (a stateful task, e.g. a prompt file, is put back to its state
+    afterwards, so training draws what it would have drawn). Training draws each iteration's
+    prompts from generators seeded from ``(model.seed, iteration)``, a different stream, but
+    a procedurally generated task may still produce some of the same prompts by chance (the
+    copy task of ``configs/tiny.yaml`` has only 4672 distinct prompts). For a file of prompts
+    pass a ``task`` reading a held-out file: by default the prompts are the first
+    ``num_prompts`` of the training task's walk.
+
+    After every ``every_n_iterations``-th iteration and after the last one (``max_epochs``,
+    ``max_steps`` or a requested stop; any other stop evaluates at the end of fit), global
+    rank zero generates ``samples_per_prompt`` responses per prompt with ``pl_module.engine``
+    (the run's ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them
+    with one ``task.rewards`` call and logs ``<prefix>/reward_mean``, ``<prefix>/accuracy``
+    (samples with reward 1.0, the reference answer), ``<prefix>/pass@1`` and
+    ``<prefix>/pass@<k>`` (Chen et al.'s unbiased estimator averaged over prompts),
+    ``<prefix>/response_length_mean`` and ``<prefix>/seconds``, with ``iteration``, to every
+    logger; other ranks skip. Rows take the next step of :class:`PPOMetricsLogger`'s axis
+    (after the iteration's own rows), or ``step=iteration`` without one. Generation runs
+    without gradients under forked RNGs and the actor's train/eval modes are restored, so
+    training is bitwise what it is without this callback. :attr:`history` is kept in
+    :meth:`state_dict`, so a resumed run keeps the earlier evaluations.
+
+    From YAML / the command line: ``--trainer.callbacks+=lppo.callbacks.Evaluation
+    --trainer.callbacks.every_n_iterations=10``.
+
+    Args:
+        every_n_iterations: evaluate after every N-th iteration (and after the last).
+        num_prompts: held-out prompts.
+        samples_per_prompt: responses per prompt, the ``k`` of pass@k.
+        seed: seed of the held-out prompts and of their sampling.
+        greedy: decode greedily (argmax) instead of sampling; needs an engine whose
+            ``generate`` takes ``greedy=`` (``HFGenerateEngine`` does), and
+            ``samples_per_prompt: 1`` (greedy samples of a prompt are identical).
+        task: the task to draw prompts from and reward with (it must use the training task's
+            vocabulary); ``None``: the trained task (``model.task``).
+        prefix: metric prefix; give each of several ``Evaluation`` callbacks its own.
+    """
+
+    def __init__(
+        self,
+        every_n_iterations: int = 10,
+        num_prompts: int = 32,
+        samples_per_prompt: int = 4,
+        seed: int = 1234,
+        greedy: bool = False,
+        task: Task | None = None,
+        prefix: str = "eval",
+    ) -> None:
+        super().__init__()
+        for key, value in (
+            ("every_n_iterations", every_n_iterations),
+            ("num_prompts", num_prompts),
+            ("samples_per_prompt", samples_per_prompt),
+        ):
+            if value < 1:
+                raise ValueError(f"Evaluation.{key}={value} must be >= 1.")
+        if greedy and samples_per_prompt != 1:
+            raise ValueError(
+                f"Evaluation.greedy=true gives {samples_per_prompt} identical samples per "
+                "prompt; set Evaluation.samples_per_prompt=1 (or greedy=false)."
+            )
+        if not prefix or "/" in prefix:
+            raise ValueError(f"Evaluation.prefix={prefix!r} must be a non-empty name without '/'.")
+        self.every_n_iterations = every_n_iterations
+        self.num_prompts = num_prompts
+        self.samples_per_prompt = samples_per_prompt
+        self.seed = seed
+        self.greedy = greedy
+        self.task = task
+        self.prefix = prefix
+        self.prompts: list[Prompt] | None = None
+        self.history: list[dict[str, float]] = []
+
+    @property
+    def state_key(self) -> str:
+        """Checkpoint key; distinct per ``prefix``, so several evaluations can coexist."""
+        return self._generate_state_key(prefix=self.prefix)
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check the settings against the engine and draw the held-out prompts.
+
+        Raises:
+            ValueError: another ``Evaluation`` uses the same ``prefix``, or ``greedy`` is set
+                and the engine's ``generate`` takes no ``greedy`` argument.
+        """
+        others = [cb for cb in trainer.callbacks if isinstance(cb, Evaluation) and cb is not self]
+        if any(cb.prefix == self.prefix for cb in others):
+            raise ValueError(
+                f"two Evaluation callbacks log under Evaluation.prefix={self.prefix!r}; "
+                "give each its own prefix."
+            )
+        system = cast("PPOSystem", pl_module)
+        if self.greedy and "greedy" not in inspect.signature(system.engine.generate).parameters:
+            raise ValueError(
+                f"Evaluation.greedy=true needs an engine whose generate() takes greedy=; "
+                f"{type(system.engine).__name__}.generate does not (set greedy=false)."
+            )
+        if self.prompts is None:
+            self.prompts = self.draw_prompts(self.task if self.task is not None else system.task)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Evaluate after every ``every_n_iterations``-th iteration and after the last one."""
+        iteration = trainer.current_epoch
+        if (iteration + 1) % self.every_n_iterations == 0 or self.is_last(trainer):
+            self.evaluate(trainer, pl_module, iteration)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Evaluate the last iteration if an unforeseen stop (e.g. ``max_time``) skipped it."""
+        if trainer.current_epoch > 0:
+            self.evaluate(trainer, pl_module, trainer.current_epoch - 1)
+
+    @staticmethod
+    def is_last(trainer: pl.Trainer) -> bool:
+        """Whether the iteration that just ended is the last of the fit."""
+        done = trainer.current_epoch + 1
+        max_epochs = trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 0 and done >= max_epochs:
+            return True
+        max_steps = trainer.max_steps
+        if max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps:
+            return True
+        return bool(trainer.should_stop)
+
+    # ------------------------------------------------------------------ evaluation
+    def draw_prompts(self, task: Task) -> list[Prompt]:
+        """Draw the held-out prompts from ``task``, leaving the task's state as it was."""
+        state = copy.deepcopy(task.state_dict())
+        try:
+            prompts = task.sample_prompts(self.num_prompts, random.Random(self.seed))
+        finally:
+            task.load_state_dict(state)
+        if len(prompts) != self.num_prompts:
+            raise ValueError(
+                f"{type(task).__name__}.sample_prompts returned {len(prompts)} prompts for "
+                f"Evaluation.num_prompts={self.num_prompts}."
+            )
+        return prompts
+
+    def evaluate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, iteration: int
+    ) -> dict[str, float] | None:
+        """Evaluate the current policy as of ``iteration`` on global rank zero and log it.
+
+        Returns:
+            The history entry, or ``None`` on other ranks and for an iteration already
+            evaluated.
+
+        Raises:
+            RewardError: the task's ``rewards`` failed (the message names the evaluation).
+        """
+        if not trainer.is_global_zero or any(h["iteration"] == iteration for h in self.history):
+            return None
+        system = cast("PPOSystem", pl_module)
+        task = self.task if self.task is not None else system.task
+        prompts = self.prompts if self.prompts is not None else self.draw_prompts(task)
+        self.prompts = prompts
+        clock = time.perf_counter()
+        with undisturbed(system.actor):
+            if system.rollout_source is not None:
+                system.rollout_source.sync()  # never evaluate weights older than the actor's
+            output = self.generate(system.engine, prompts)
+            try:
+                rewards = score(task, prompts, output).tolist()
+            except RewardError as error:
+                raise RewardError(f"{self.prefix} after iteration {iteration}: {error}") from error
+        lengths = [float(m.sum()) for m in output.response_mask]
+        metrics = evaluation_metrics(rewards, lengths, self.samples_per_prompt)
+        metrics["seconds"] = time.perf_counter() - clock
+        row: dict[str, float] = {"iteration": iteration}
+        row.update({f"{self.prefix}/{k}": v for k, v in metrics.items()})
+        step = self.log_row(trainer, row)
+        entry = {"iteration": iteration, "step": step, **metrics}
+        self.history.append(entry)
+        self.history.sort(key=lambda h: h["iteration"])
+        return entry
+
+    def generate(self, engine: RolloutEngine, prompts: list[Prompt]) -> GenerationOutput:
+        """``samples_per_prompt`` responses per prompt from ``engine`` (greedy if asked).
+
+        Raises:
+            RuntimeError: the engine returned another number of samples.
+        """
+        k = self.samples_per_prompt
+        if self.greedy:
+            output = cast(Any, engine).generate(prompts, k, seed=self.seed, greedy=True)
+        else:
+            output = engine.generate(prompts, k, seed=self.seed)
+        if len(output) != len(prompts) * k:
+            raise RuntimeError(
+                f"{type(engine).__name__}.generate returned {len(output)} samples for "
+                f"{len(prompts)} prompts × {k}."
+            )
+        return output
+
+    @staticmethod
+    def log_row(trainer: pl.Trainer, row: dict[str, float]) -> int:
+        """Log ``row`` to every logger on :class:`PPOMetricsLogger`'s axis; returns the step.
+
+        Without a ``PPOMetricsLogger`` the step is the iteration index.
+        """
+        axis = next((cb for cb in trainer.callbacks if isinstance(cb, PPOMetricsLogger)), None)
+        step = int(row["iteration"])
+        if axis is not None:
+            step = axis.step
+            axis.step += 1  # the logger's state_dict saves the advanced axis
+        for logger in trainer.loggers:
+            logger.log_metrics(row, step=step)
+            logger.save()
+        return step
+
+    def points(self, metric: str = "reward_mean") -> list[tuple[int, float]]:
+        """``(iteration, value)`` of ``metric`` for every evaluation so far, in order."""
+        return [(int(h["iteration"]), float(h.get(metric, math.nan))) for h in self.history]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The evaluation history (one dict of floats per evaluation)."""
+        return {"history": [dict(h) for h in self.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.history = [dict(h) for h in state_dict.get("history", [])]
