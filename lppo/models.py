@@ -149,6 +149,16 @@ class HFCausalLM:
             )
         return model.to(self.torch_dtype)
 
+    def _load(self, auto_class: type, **kwargs: object) -> transformers.PreTrainedModel:
+        """``auto_class.from_pretrained`` of the local checkpoint (offline), in ``dtype``."""
+        return auto_class.from_pretrained(
+            self.pretrained_path,
+            dtype=self.torch_dtype,
+            local_files_only=True,
+            attn_implementation=self.attn_implementation,
+            **kwargs,
+        )
+
     def _finish(
         self,
         model: transformers.PreTrainedModel,
@@ -182,12 +192,7 @@ class HFCausalLM:
         """
         if self.pretrained_path is None:
             return self._random_causal_lm(vocab_size, pad_token_id, bos_token_id, eos_token_id)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.pretrained_path,
-            dtype=self.torch_dtype,
-            local_files_only=True,
-            attn_implementation=self.attn_implementation,
-        )
+        model = self._load(transformers.AutoModelForCausalLM)
         return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)
 
     def build_classifier(
@@ -216,13 +221,7 @@ class HFCausalLM:
                     cfg, attn_implementation=self.attn_implementation
                 )
             return model.to(self.torch_dtype)
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            self.pretrained_path,
-            num_labels=1,
-            dtype=self.torch_dtype,
-            local_files_only=True,
-            attn_implementation=self.attn_implementation,
-        )
+        model = self._load(transformers.AutoModelForSequenceClassification, num_labels=1)
         return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)
 
     def build_backbone(
@@ -246,10 +245,5 @@ class HFCausalLM:
         if self.pretrained_path is None:
             lm = self._random_causal_lm(vocab_size, pad_token_id, bos_token_id, eos_token_id)
             return lm.base_model
-        model = transformers.AutoModel.from_pretrained(
-            self.pretrained_path,
-            dtype=self.torch_dtype,
-            local_files_only=True,
-            attn_implementation=self.attn_implementation,
-        )
+        model = self._load(transformers.AutoModel)
         return self._finish(model, vocab_size, pad_token_id, bos_token_id, eos_token_id)

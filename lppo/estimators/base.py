@@ -19,11 +19,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lppo.algorithms import kl_penalty, token_rewards, whiten
 from lppo.algorithms.kl import KLKind
 from lppo.chunks import iter_chunks, unpad
 from lppo.parallel import ProcessGroup
 from lppo.replay.base import ReplayStore
-from lppo.types import Chunk, StepPlan
+from lppo.stats import Moments
+from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD, Chunk, StepPlan
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,32 @@ class EstimatorInputs:
     def write(self, chunk: Chunk, columns: Mapping[str, torch.Tensor]) -> None:
         """Write token-level ``[B, T]`` tensors of ``chunk``'s rows back into the store."""
         self.store.write(chunk.row_ids, {k: unpad(chunk, v) for k, v in columns.items()})
+
+    @property
+    def reward_columns(self) -> list[str]:
+        """Columns :meth:`token_rewards` reads."""
+        return [REWARD] + ([OLD_LOGPROBS, REF_LOGPROBS] if self.kl_coef > 0 else [])
+
+    def token_rewards(self, chunk: Chunk, kl_moments: Moments) -> torch.Tensor:
+        """Per-token rewards ``r·[t = last] − β·KL_t`` of ``chunk``; folds KL into ``kl_moments``.
+
+        The chunk must hold :attr:`reward_columns`.
+        """
+        assert chunk.reward is not None
+        kl = None
+        if self.kl_coef > 0:
+            assert chunk.old_logprobs is not None and chunk.ref_logprobs is not None
+            kl = kl_penalty(chunk.old_logprobs, chunk.ref_logprobs, self.kl_kind)
+            kl_moments.update(kl, chunk.response_mask)
+        return token_rewards(chunk.reward, chunk.response_mask, kl, self.kl_coef)
+
+    def whiten_advantages(self, moments: Moments) -> None:
+        """Second streamed pass: whiten the stored advantages with ``moments`` merged over ranks."""
+        moments.all_reduce(self.group)
+        for chunk in self.chunks([ADVANTAGES]):
+            assert chunk.advantages is not None
+            white = whiten(chunk.advantages, chunk.response_mask, moments)
+            self.write(chunk, {ADVANTAGES: white})
 
 
 @runtime_checkable

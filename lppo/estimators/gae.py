@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from lppo.algorithms import advantages_and_returns, kl_penalty, token_rewards, whiten
+from lppo.algorithms import advantages_and_returns
 from lppo.estimators.base import EstimatorInputs
 from lppo.stats import Moments
-from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, RETURNS, REWARD, VALUES
+from lppo.types import ADVANTAGES, RETURNS, VALUES
 
 
 class GAE:
@@ -48,28 +48,16 @@ class GAE:
     @torch.no_grad()
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
         """Write advantages and returns; report the mean KL of the penalty (0 without one)."""
-        use_kl = inputs.kl_coef > 0
-        names = [REWARD, VALUES, OLD_LOGPROBS] + ([REF_LOGPROBS] if use_kl else [])
         moments, kl_moments = Moments(), Moments()
-        for chunk in inputs.chunks(names):
-            mask = chunk.response_mask
-            assert chunk.reward is not None and chunk.values is not None
-            kl = None
-            if use_kl:
-                assert chunk.old_logprobs is not None and chunk.ref_logprobs is not None
-                kl = kl_penalty(chunk.old_logprobs, chunk.ref_logprobs, inputs.kl_kind)
-                kl_moments.update(kl, mask)
-            rewards = token_rewards(chunk.reward, mask, kl, inputs.kl_coef)
+        for chunk in inputs.chunks([*inputs.reward_columns, VALUES]):
+            assert chunk.values is not None
+            rewards = inputs.token_rewards(chunk, kl_moments)
             adv, ret = advantages_and_returns(
-                rewards, chunk.values, mask, self.gamma, self.lam, self.lam_returns
+                rewards, chunk.values, chunk.response_mask, self.gamma, self.lam, self.lam_returns
             )
-            moments.update(adv, mask)
+            moments.update(adv, chunk.response_mask)
             inputs.write(chunk, {ADVANTAGES: adv, RETURNS: ret})
         if self.whiten:
-            moments.all_reduce(inputs.group)
-            for chunk in inputs.chunks([ADVANTAGES]):
-                assert chunk.advantages is not None
-                white = whiten(chunk.advantages, chunk.response_mask, moments)
-                inputs.write(chunk, {ADVANTAGES: white})
+            inputs.whiten_advantages(moments)
         kl_moments.all_reduce(inputs.group)
         return {"kl_mean": kl_moments.mean if kl_moments.count else 0.0}

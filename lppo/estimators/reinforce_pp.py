@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from lppo.algorithms import gae, kl_penalty, token_rewards, whiten
+from lppo.algorithms import gae
 from lppo.estimators.base import EstimatorInputs
 from lppo.stats import Moments
-from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD
+from lppo.types import ADVANTAGES
 
 
 class ReinforcePP:
@@ -34,26 +34,13 @@ class ReinforcePP:
     @torch.no_grad()
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
         """Write the (whitened) discounted returns as advantages; report the mean KL."""
-        use_kl = inputs.kl_coef > 0
-        names = [REWARD] + ([OLD_LOGPROBS, REF_LOGPROBS] if use_kl else [])
         moments, kl_moments = Moments(), Moments()
-        for chunk in inputs.chunks(names):
-            mask = chunk.response_mask
-            assert chunk.reward is not None
-            kl = None
-            if use_kl:
-                assert chunk.old_logprobs is not None and chunk.ref_logprobs is not None
-                kl = kl_penalty(chunk.old_logprobs, chunk.ref_logprobs, inputs.kl_kind)
-                kl_moments.update(kl, mask)
-            rewards = token_rewards(chunk.reward, mask, kl, inputs.kl_coef)
-            returns = gae(rewards, torch.zeros_like(rewards), mask, self.gamma, 1.0)
-            moments.update(returns, mask)
+        for chunk in inputs.chunks(inputs.reward_columns):
+            rewards = inputs.token_rewards(chunk, kl_moments)
+            returns = gae(rewards, torch.zeros_like(rewards), chunk.response_mask, self.gamma, 1.0)
+            moments.update(returns, chunk.response_mask)
             inputs.write(chunk, {ADVANTAGES: returns})
         if self.whiten:
-            moments.all_reduce(inputs.group)
-            for chunk in inputs.chunks([ADVANTAGES]):
-                assert chunk.advantages is not None
-                white = whiten(chunk.advantages, chunk.response_mask, moments)
-                inputs.write(chunk, {ADVANTAGES: white})
+            inputs.whiten_advantages(moments)
         kl_moments.all_reduce(inputs.group)
         return {"kl_mean": kl_moments.mean if kl_moments.count else 0.0}
