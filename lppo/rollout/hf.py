@@ -40,15 +40,25 @@ class HFGenerateEngine:
             depend on it, as they do on the seed.
         prepend_bos: put the tokenizer's BOS token in front of prompts that do not start with
             it (ignored when the tokenizer has no BOS token).
+        chat_template: wrap each prompt as a single user turn with the tokenizer's chat
+            template (``tokenizer.apply_chat_template([{"role": "user", "content": text}],
+            add_generation_prompt=True)``) before encoding, for instruction-tuned models. The
+            templated text is encoded without the tokenizer's own special tokens (the template
+            writes those it wants), and ``prepend_bos`` then adds BOS only when the template
+            did not start with it, so BOS is never doubled. Completions are decoded as before
+            (special tokens skipped); the end-of-turn token must be the tokenizer's EOS.
     """
 
-    def __init__(self, batch_size: int | None = None, prepend_bos: bool = True) -> None:
+    def __init__(
+        self, batch_size: int | None = None, prepend_bos: bool = True, chat_template: bool = False
+    ) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(
                 f"model.engine.init_args.batch_size={batch_size} must be >= 1 or null."
             )
         self.batch_size = batch_size
         self.prepend_bos = prepend_bos
+        self.chat_template = chat_template
         self.weights_version = 0
         self._model: transformers.PreTrainedModel | None = None
         self._tokenizer: transformers.PreTrainedTokenizerBase | None = None
@@ -77,10 +87,17 @@ class HFGenerateEngine:
         """Share ``policy`` (not a copy) and take the sampling settings.
 
         Raises:
-            ValueError: the tokenizer has no EOS token.
+            ValueError: the tokenizer has no EOS token, or ``chat_template`` is set and the
+                tokenizer has no chat template.
         """
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer must define an eos token")
+        if self.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "model.engine.init_args.chat_template=true but the tokenizer has no chat "
+                "template; use a tokenizer directory that has one (model.tokenizer_path) or "
+                "set chat_template: false"
+            )
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling
@@ -96,13 +113,26 @@ class HFGenerateEngine:
 
     # -- generation ------------------------------------------------------------------------
 
+    def prompt_text(self, text: str) -> str:
+        """The text that is encoded for a prompt (chat-templated when ``chat_template``)."""
+        if not self.chat_template:
+            return text
+        messages = [{"role": "user", "content": text}]
+        return str(
+            self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt (with BOS in front when the tokenizer has one).
+
+        With ``chat_template`` the prompt is first wrapped as one user turn (see the class
+        docstring); the BOS token is then added only if the templated ids do not start with it.
 
         Raises:
             ValueError: if the prompt encodes to no token at all.
         """
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        special = not self.chat_template
+        ids = list(self.tokenizer(self.prompt_text(text), add_special_tokens=special)["input_ids"])
         bos = self.tokenizer.bos_token_id
         if self.prepend_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, int(bos))

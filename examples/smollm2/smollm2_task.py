@@ -1,0 +1,70 @@
+"""Arithmetic asked in words, for a chat model (``"What is 3 + 4? ..."`` -> ``"7"``).
+
+``lppo.tasks.ArithmeticTask``'s terse ``"3+4="`` prompts make SmolLM2-135M-Instruct talk about
+"the number 3" instead of answering; a question in words gets answers like ``"3 + 4 = 7"`` or
+``"The answer is 7."``. The verifier therefore reads the *last integer* of the completion and
+scores it with ``ArithmeticTask``'s exact-match / partial-digit reward.
+"""
+
+from __future__ import annotations
+
+import re
+
+from lppo.tasks import ArithmeticTask, Prompt
+
+INTEGER = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> str | None:
+    """The last integer written in ``text`` (``"3 + 4 = 7."`` -> ``"7"``), or ``None``."""
+    found = INTEGER.findall(text.replace(",", ""))
+    return found[-1] if found else None
+
+
+class ChatArithmeticTask(ArithmeticTask):
+    """``ArithmeticTask`` with a natural-language prompt and a last-number verifier.
+
+    Reward: :meth:`ArithmeticTask.reward` of the last integer in the completion (1.0 for the
+    right sum, partial credit for right digits, 0.0 when the completion holds no integer).
+
+    Args:
+        template: the question, a format string over ``a``, ``op`` and ``b``.
+        min_value: smallest operand.
+        max_value: largest operand.
+        operators: a non-empty subset of ``"+-"``.
+        partial_weight: the largest score a wrong number can earn, in ``[0, 1)``.
+    """
+
+    name = "chat_arithmetic"
+
+    def __init__(
+        self,
+        template: str = "What is {a} {op} {b}? Answer with just the number.",
+        min_value: int = 0,
+        max_value: int = 9,
+        operators: str = "+",
+        partial_weight: float = 0.0,
+    ) -> None:
+        super().__init__(min_value, max_value, operators, partial_weight)
+        template.format(a=0, op="+", b=0)  # fail at construction on a bad template
+        self.template = template
+
+    def make_prompt(self, a: int, op: str, b: int) -> Prompt:
+        """The question for ``a op b`` and its answer (see :meth:`ArithmeticTask.make_prompt`)."""
+        prompt = super().make_prompt(a, op, b)
+        prompt.text = self.template.format(a=a, op=op, b=b)
+        return prompt
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """Score the completion's last integer (0.0 when it holds none)."""
+        number = last_integer(completion)
+        return 0.0 if number is None else super().reward(prompt, number)
+
+    def vocabulary(self) -> str:
+        """Every character of the questions and answers (for a character tokenizer)."""
+        return "".join(sorted(set(self.template + super().vocabulary())))
+
+    def max_prompt_length(self) -> int:
+        """Longest question, in characters."""
+        big = max(self.max_value, self.min_value)
+        return max(len(self.template.format(a=big, op=op, b=big)) for op in self.operators)
