@@ -191,3 +191,46 @@ def test_grpo_gives_zero_to_a_group_that_scored_alike():
 def test_bad_settings_name_the_key(cls, kwargs, key):
     with pytest.raises(ValueError, match=f"model.estimator.init_args.{key}"):
         cls(**kwargs)
+
+
+ESTIMATORS = {"grpo": GRPO, "rloo": RLOO, "reinforce_pp": ReinforcePP}
+
+
+def _rank_worker(rank: int, world: int, init: str, out: str) -> None:
+    """One gloo rank: estimate over this rank's share of the chunks; save its advantages."""
+    import torch.distributed as dist
+
+    from lppo.parallel import ProcessGroup
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        results = {}
+        for name, cls in ESTIMATORS.items():
+            store, _ = make_store(4, 3, seed=11)
+            planner = ChunkPlanner(14, world_size=world, rank=rank, seed=3)
+            [step] = planner.plan(store.meta()).steps
+            inputs = EstimatorInputs(store, step, ProcessGroup(world, rank), 0.1, "k3")
+            cls().estimate(inputs)
+            ids = [i for c in step.chunks for i in c]
+            results[name] = dict(zip(ids, store.read(ids, [ADVANTAGES])[ADVANTAGES], strict=True))
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_group_statistics_are_exact_across_ranks(tmp_path):
+    """Two gloo ranks, each estimating only its own chunks, equal one process over all rows."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "adv")
+    mp.spawn(_rank_worker, args=(2, f"file://{tmp_path / 'init'}", out), nprocs=2, join=True)
+    parts = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    for name, cls in ESTIMATORS.items():
+        store, _ = make_store(4, 3, seed=11)
+        want = run(cls(), store, 14, 0.1, "k3")
+        got = {**parts[0][name], **parts[1][name]}
+        assert set(parts[0][name]).isdisjoint(parts[1][name])  # no rank repeats another's rows
+        assert sorted(got) == sorted(want)
+        for i in want:
+            torch.testing.assert_close(got[i], want[i], rtol=1e-10, atol=1e-12)
