@@ -338,12 +338,13 @@ class Evaluation(PPOCallback):
         Without a ``PPOMetricsLogger`` the step is the iteration index.
         """
         axis = next((cb for cb in trainer.callbacks if isinstance(cb, PPOMetricsLogger)), None)
-        step = int(row["iteration"])
         if axis is not None:
-            step = axis.step
-            axis.step += 1  # the logger's state_dict saves the advanced axis
+            step = axis.log_row(trainer, row)
+        else:
+            step = int(row["iteration"])
+            for logger in trainer.loggers:
+                logger.log_metrics(row, step=step)
         for logger in trainer.loggers:
-            logger.log_metrics(row, step=step)
             logger.save()
         return step
 

@@ -134,9 +134,9 @@ class PPOMetricsLogger(PPOCallback):
         if self.log_steps:
             for stats in result.steps:
                 row: dict[str, float] = {"iteration": iteration, **step_row(stats)}
-                self._log(trainer, row)
+                self.log_row(trainer, row)
         row = {"iteration": iteration, **self.iteration_row(result, pl_module)}
-        step = self._log(trainer, row)
+        step = self.log_row(trainer, row)
         if self.flush:
             for logger in trainer.loggers:
                 logger.save()
@@ -172,8 +172,8 @@ class PPOMetricsLogger(PPOCallback):
         row["perf/peak_memory_bytes"] = float(peak_memory_bytes(pl_module))
         return row
 
-    def _log(self, trainer: pl.Trainer, row: dict[str, float]) -> int:
-        """Log ``row`` at the next step of the axis; returns that step."""
+    def log_row(self, trainer: pl.Trainer, row: dict[str, float]) -> int:
+        """Log ``row`` at the next step of the axis (the one owner of it); returns that step."""
         step = self.step
         for logger in trainer.loggers:
             logger.log_metrics(row, step=step)
