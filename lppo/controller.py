@@ -14,9 +14,11 @@ Optimizer steps, row retention and abort cleanup are done by callbacks (:mod:`lp
 that receive the controller's hooks; the controller installs the three built-ins when they
 are absent (the one place they are installed) and checks that the rows were released.
 
-Under data parallelism every rank holds all of the iteration's rows in its own replay store:
-scoring and advantages run over every row on every rank (identical results), and only the
-critic and actor steps are sharded across ranks.
+Under data parallelism each rank puts the rows it generated (its own store, or its own row ids
+of a shared store) and every phase splits by owner: each rank scores, estimates and trains only
+its own rows. One all-gather of the rows' metadata per iteration gives every rank the same plan
+(global normalizers, equal chunk counts); statistics that span rows (rollout moments, whitening,
+group baselines, reward-model moments) are reduced through the parallel context.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule, PPOModule
 from lppo.modules.reward_model import RewardModel
-from lppo.parallel import SINGLE, ParallelContext
+from lppo.parallel import ParallelContext
+from lppo.planner import RowLayout
+from lppo.stats import Moments
 from lppo.types import (
     ADVANTAGES,
     OLD_LOGPROBS,
@@ -115,13 +119,6 @@ class PPOController:
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
         check_critic(critic, self.estimator)
         self.parallel = parallel if parallel is not None else ParallelContext()
-        if self.parallel.data.size > 1 and data.store.shared:
-            raise ValueError(
-                f"data.store={type(data.store).__name__} is shared across processes, but under "
-                "data parallelism every rank puts, scores and releases all rows in its own "
-                "store; use a process-local store (lppo.replay.MemoryReplayStore) with "
-                "trainer.strategy=ppo_ddp."
-            )
         for module in self.trainable_modules():
             module.parallel = self.parallel
         if self.config.disable_dropout:
@@ -144,9 +141,11 @@ class PPOController:
         """Run one RL iteration on ``rollout``; rows are released whatever happens.
 
         Args:
-            rollout: the iteration's samples (already scored by the reward function).
+            rollout: this rank's samples of the iteration (already scored by the reward
+                function); under data parallelism each rank passes its own.
             iteration: iteration index (seeds the shuffles; decides critic warmup).
-            dropped: samples lost before reaching the store (count against the drop budget).
+            dropped: this rank's samples lost before reaching the store (summed over ranks,
+                they count against the drop budget).
             rollout_seconds: time spent generating ``rollout`` (reported, not used).
 
         Raises:
@@ -174,24 +173,27 @@ class PPOController:
     ) -> IterationResult:
         cfg = self.config
         seconds = {"rollout": rollout_seconds}
-        tokens = {"rollout": sum(int(m.sum()) for m in rollout.response_mask)}
         clock = time.perf_counter()
 
-        # 1. collect
-        stats = self._collect(ctx, rollout, dropped)
+        # 1. collect (each rank its own rows; the layout of every rank's rows is gathered once)
+        stats, rollout_tokens = self._collect(ctx, rollout, dropped)
+        tokens = {"rollout": rollout_tokens}
+        rows = self.data.layout(ctx.row_ids, self.parallel.data)
+        dropped = int(stats["dropped_rows"])  # every rank's
         clock = _lap(seconds, "collect", clock)
 
-        # 2. score
+        # 2. score (each rank its own valid rows; no collective, so chunk counts may differ)
         ctx.phase = "score"
-        plan = self.data.plan(ctx.row_ids, "score", ctx.iteration, dropped=dropped, shard=False)
+        plan = self.data.plan(rows, "score", ctx.iteration, dropped=dropped)
         stats["invalid_rows"] = float(len(plan.invalid_rows))
         step = plan.steps[0]
         stats.update(self._score(ctx, step))
         clock = _lap(seconds, "score", clock)
 
-        # 3. advantages (every rank holds and scores every row: nothing to reduce over ranks)
+        # 3. advantages (each rank its own rows; statistics reduced over the ranks)
         ctx.phase = "advantages"
-        inputs = EstimatorInputs(self.data.store, step, SINGLE, cfg.kl_coef, cfg.kl_kind)
+        group = self.parallel.data
+        inputs = EstimatorInputs(self.data.store, step, group, cfg.kl_coef, cfg.kl_kind)
         stats.update(self.estimator.estimate(inputs))
         clock = _lap(seconds, "advantages", clock)
 
@@ -203,7 +205,7 @@ class PPOController:
             phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
         for phase, module, epochs, minibatches in phases:
             first = len(ctx.step_stats)
-            self._train_phase(ctx, phase, module, epochs, minibatches, dropped)
+            self._train_phase(ctx, rows, phase, module, epochs, minibatches, dropped)
             clock = _lap(seconds, phase, clock)
             tokens[phase] = sum(s.tokens for s in ctx.step_stats[first:])
 
@@ -220,8 +222,14 @@ class PPOController:
             )
         return result
 
-    def _collect(self, ctx: IterationContext, rollout: Rollout, dropped: int) -> dict[str, float]:
-        """Mark invalid rows, put the rollout into the store, report rollout statistics."""
+    def _collect(
+        self, ctx: IterationContext, rollout: Rollout, dropped: int
+    ) -> tuple[dict[str, float], int]:
+        """Mark invalid rows, put the rollout into the store, report rollout statistics.
+
+        Returns:
+            The statistics over every rank's rollout, and every rank's response tokens.
+        """
         columns = rollout.columns()
         masks = columns[RESPONSE_MASK]
         rewards = columns[REWARD]
@@ -241,15 +249,28 @@ class PPOController:
         self.data.store.put(ids, columns)
         ctx.row_ids = ids
         self._emit("on_rollout_end", ctx)
-        finite = rollout.reward[torch.isfinite(rollout.reward)].double()  # reported as given
-        lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
-        return {
-            "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
-            "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
-            "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-            "dropped_rows": float(dropped),
-            "bad_rewards": float(bad_rewards),
+        return self._rollout_stats(rollout, dropped, bad_rewards)
+
+    def _rollout_stats(
+        self, rollout: Rollout, dropped: int, bad_rewards: int
+    ) -> tuple[dict[str, float], int]:
+        """Reward and length moments and loss counts of every rank's rows (as generated)."""
+        group = self.parallel.data
+        reward, length = Moments(), Moments()
+        reward.update(rollout.reward[torch.isfinite(rollout.reward)])
+        length.update(torch.tensor([float(m.sum()) for m in rollout.response_mask]))
+        reward.all_reduce(group)
+        length.all_reduce(group)
+        counts = torch.tensor([dropped, bad_rewards, length.count * length.mu], dtype=torch.float64)
+        dropped_all, bad_all, tokens = group.all_reduce(counts).tolist()
+        stats = {
+            "reward_mean": reward.mu if reward.count else float("nan"),
+            "reward_std": math.sqrt(reward.var) if reward.count else float("nan"),
+            "response_length_mean": length.mu,
+            "dropped_rows": dropped_all,
+            "bad_rewards": bad_all,
         }
+        return stats, round(tokens)
 
     @torch.no_grad()
     def _score(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
@@ -277,27 +298,36 @@ class PPOController:
         The task's reward is kept as ``task_reward`` and the raw score as ``rm_score``.
         """
         assert self.reward_model is not None
-        ids = list(scores)
-        task = torch.stack(self.data.store.read(ids, [REWARD])[REWARD])
+        ids = list(scores)  # may be empty on a rank without valid rows: it still reduces
+        read = self.data.store.read(ids, [REWARD])[REWARD] if ids else []
+        task = torch.stack(read) if read else torch.zeros(0)
         raw = torch.tensor([scores[i] for i in ids], dtype=torch.float64)
-        combined = self.reward_model.combine(task, raw).to(task.dtype)
-        self.data.store.write(
-            ids,
-            {
-                REWARD: list(combined.unbind(0)),
-                TASK_REWARD: list(task.unbind(0)),
-                RM_SCORE: list(raw.unbind(0)),
-            },
-        )
+        combined = self.reward_model.combine(task, raw, self.parallel.data).to(task.dtype)
+        if ids:
+            self.data.store.write(
+                ids,
+                {
+                    REWARD: list(combined.unbind(0)),
+                    TASK_REWARD: list(task.unbind(0)),
+                    RM_SCORE: list(raw.unbind(0)),
+                },
+            )
+        group = self.parallel.data
+        moments = {"rm_score": Moments(), "reward_combined": Moments()}
+        moments["rm_score"].update(raw)
+        moments["reward_combined"].update(combined)
+        for m in moments.values():
+            m.all_reduce(group)
         return {
-            "rm_score_mean": float(raw.mean()),
-            "rm_score_std": float(raw.std(unbiased=False)),
-            "reward_combined_mean": float(combined.double().mean()),
+            "rm_score_mean": moments["rm_score"].mean,
+            "rm_score_std": math.sqrt(moments["rm_score"].var),
+            "reward_combined_mean": moments["reward_combined"].mean,
         }
 
     def _train_phase(
         self,
         ctx: IterationContext,
+        rows: RowLayout,
         phase: str,
         module: PPOModule,
         epochs: int,
@@ -308,7 +338,7 @@ class PPOController:
         names = [VALUES, RETURNS] if phase == "critic" else [OLD_LOGPROBS, ADVANTAGES]
         for epoch in range(epochs):
             ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = phase, epoch, -1, -1
-            plan = self.data.plan(ctx.row_ids, phase, ctx.iteration, epoch, minibatches, dropped)
+            plan = self.data.plan(rows, phase, ctx.iteration, epoch, minibatches, dropped)
             self._emit("on_phase_epoch_start", ctx)
             for step in plan.steps:
                 ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step

@@ -8,7 +8,8 @@ from typing import Any
 from lightning.pytorch import LightningDataModule
 
 from lppo.chunks import iter_chunks
-from lppo.planner import ChunkPlanner, EpochPlan
+from lppo.parallel import SINGLE, ProcessGroup
+from lppo.planner import ChunkPlanner, EpochPlan, RowLayout
 from lppo.replay.base import ReplayStore
 from lppo.replay.memory import MemoryReplayStore
 from lppo.types import Chunk, StepPlan
@@ -81,28 +82,35 @@ class ReplayDataModule(LightningDataModule):
             minibatches=minibatches,
         )
 
+    def layout(self, row_ids: Sequence[int], group: ProcessGroup = SINGLE) -> RowLayout:
+        """Lengths and owners of every rank's rows (this rank's are ``row_ids``).
+
+        One all-gather over ``group`` of the rows' metadata (no tensor is read); every rank
+        gets the same layout and so plans the same steps.
+        """
+        return RowLayout.gather(group.all_gather_object(self.store.meta(row_ids)))
+
     def plan(
         self,
-        row_ids: Sequence[int],
+        rows: RowLayout,
         phase: str,
         iteration: int,
         epoch: int = 0,
         minibatches: int = 1,
         dropped: int = 0,
-        shard: bool = True,
     ) -> EpochPlan:
-        """Plan one epoch of ``phase`` over rows ``row_ids`` (metadata only, no tensor read).
+        """This rank's plan of one epoch of ``phase`` over the iteration's ``rows``.
 
-        ``shard=False`` plans every chunk for this rank (see :meth:`ChunkPlanner.plan`).
+        Each rank's chunks hold only rows it owns (see :meth:`ChunkPlanner.plan`).
         """
         return self.planner.plan(
-            self.store.meta(row_ids),
+            rows.meta,
             epoch=epoch,
             minibatches=minibatches,
             phase=phase,
             iteration=iteration,
             dropped=dropped,
-            shard=shard,
+            owners=rows.owners,
         )
 
     def stream(self, step: StepPlan, names: Sequence[str]) -> Iterator[Chunk]:

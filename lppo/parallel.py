@@ -1,7 +1,7 @@
 """The parallel context: the ONLY module of lppo that calls collectives.
 
 Every all-reduce, all-gather and broadcast of lppo (gradient sums, step diagnostics, whitening
-moments, the rollout broadcast, the initial module-state broadcast) goes through a
+moments, the row-layout gather, the initial module-state broadcast) goes through a
 :class:`ProcessGroup` of a :class:`ParallelContext`. The context names the data-parallel group
 today; a tensor-parallel group (megatron-core) sits beside it as another field, so algorithms
 that reduce over data-parallel ranks never learn about tensor parallelism.

@@ -8,13 +8,17 @@ the valid rows are shuffled with a seed derived from ``(seed, phase, iteration, 
 into ``minibatches`` optimizer steps, and each step is packed into chunks whose padded size
 ``rows × longest row`` stays within ``max_tokens_per_chunk`` (rows sorted by length inside the
 step to keep padding low; the order of chunks inside a step does not change its gradient).
-Chunks are dealt round-robin over data-parallel ranks and every rank is padded with empty,
-zero-weight chunks up to the same count.
+Under data parallelism each rank holds the rows it generated (``owners``): a step's rows are
+the same as in one process (the shuffle runs over the iteration's sample order, whatever the
+rank count), each rank packs the step's rows it owns into chunks, and every rank is padded with
+empty, zero-weight chunks up to the same count, so no collective ever waits on a missing chunk.
+Without owners (every rank can read every row) the step's chunks are dealt round-robin.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +40,10 @@ class EpochPlan:
 
     Attributes:
         steps: one :class:`StepPlan` per optimizer step (``minibatches`` of them).
-        valid_rows: ids of the rows trained this epoch (every rank), in shuffled order.
-        invalid_rows: ids of rows without a valid token (never trained, still released).
+        valid_rows: ids of the rows trained this epoch (every rank; each id in its owner's
+            store), in shuffled order.
+        invalid_rows: ids of rows without a valid token (never trained, still released),
+            every rank's.
         dropped: samples lost before the store (rollout failures) reported by the caller.
     """
 
@@ -50,6 +56,36 @@ class EpochPlan:
     def padding_fraction(self) -> float:
         """Mean padding fraction over the epoch's steps."""
         return sum(s.padding_fraction for s in self.steps) / max(len(self.steps), 1)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Every row of an iteration over the data-parallel ranks, in the iteration's sample order.
+
+    Attributes:
+        meta: lengths and valid tokens of each row; ``meta.ids[k]`` is row ``k``'s id in the
+            store of the rank that holds it.
+        owners: the data-parallel rank holding each row (all 0 in one process).
+    """
+
+    meta: RowMeta
+    owners: tuple[int, ...]
+
+    @classmethod
+    def gather(cls, parts: Sequence[RowMeta]) -> RowLayout:
+        """The layout of every rank's rows (``parts[r]``: rank ``r``'s, in its sample order).
+
+        Ranks generate contiguous blocks of prompts in rank order, so concatenating their rows
+        in rank order gives the iteration's sample order.
+        """
+        return cls(
+            meta=RowMeta(
+                ids=tuple(i for m in parts for i in m.ids),
+                lengths=tuple(n for m in parts for n in m.lengths),
+                valid_tokens=tuple(n for m in parts for n in m.valid_tokens),
+            ),
+            owners=tuple(r for r, m in enumerate(parts) for _ in m.ids),
+        )
 
 
 def _seed(*parts: object) -> int:
@@ -151,19 +187,23 @@ class ChunkPlanner:
         phase: str = "train",
         iteration: int = 0,
         dropped: int = 0,
-        shard: bool = True,
+        owners: Sequence[int] | None = None,
     ) -> EpochPlan:
         """Plan one epoch of one phase for this rank.
 
         Args:
-            meta: lengths and valid-token counts of every row of the iteration (all ranks).
+            meta: lengths and valid-token counts of every row of the iteration (all ranks), in
+                the iteration's sample order (the shuffle is over positions in this order, so
+                the same rows in the same order give the same plan whatever ``ids`` they have).
             epoch: phase epoch (part of the shuffle seed).
             minibatches: optimizer steps in the epoch.
             phase: phase name (part of the shuffle seed), e.g. ``"actor"``.
             iteration: RL iteration (part of the shuffle seed).
-            dropped: samples lost before reaching the store (count against the drop budget).
-            shard: split the chunks across data-parallel ranks; ``False`` gives every rank all
-                chunks (phases whose work each rank repeats on its own copy of the rows).
+            dropped: samples lost before reaching the store, on all ranks (count against the
+                drop budget).
+            owners: the data-parallel rank holding each row of ``meta`` (its ``ids`` are ids of
+                that rank's store): each rank's chunks are packed from its own rows only.
+                ``None``: every rank can read every row and chunks are dealt round-robin.
 
         Returns:
             The :class:`EpochPlan`.
@@ -171,89 +211,124 @@ class ChunkPlanner:
         Raises:
             DropBudgetExceeded: invalid rows plus ``dropped`` exceed the drop budget.
             NoValidRows: no row has a valid token.
-            ValueError: a row longer than the chunk budget, or fewer valid rows than steps.
+            ValueError: a row longer than the chunk budget, fewer valid rows than steps, or
+                ``owners`` of the wrong length.
         """
-        length = dict(zip(meta.ids, meta.lengths, strict=True))
+        keys = range(len(meta.ids))
+        if owners is not None and len(owners) != len(meta.ids):
+            raise ValueError(f"{len(owners)} owners for {len(meta.ids)} rows")
         longest = max(meta.lengths, default=0)
         if longest > self.max_tokens_per_chunk:
-            worst = max(meta.ids, key=length.__getitem__)
+            worst = meta.ids[meta.lengths.index(longest)]
             raise ValueError(
                 f"row {worst} has {longest} tokens, above data.max_tokens_per_chunk="
                 f"{self.max_tokens_per_chunk}; raise data.max_tokens_per_chunk to at least "
                 f"{longest}."
             )
-        valid = [i for i, n in zip(meta.ids, meta.valid_tokens, strict=True) if n > 0]
-        invalid = tuple(i for i, n in zip(meta.ids, meta.valid_tokens, strict=True) if n == 0)
-        lost = len(invalid) + dropped
+        valid = [k for k in keys if meta.valid_tokens[k] > 0]
+        invalid = tuple(meta.ids[k] for k in keys if meta.valid_tokens[k] == 0)
+        self._check_counts(len(meta.ids), len(valid), len(invalid), dropped, iteration, minibatches)
+        order = list(valid)
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(_seed(self.seed, phase, iteration, epoch))
+            order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
+        steps = [
+            self._plan_step(rows, meta, owners, epoch, k)
+            for k, rows in enumerate(self._minibatches(order, owners, minibatches))
+        ]
+        return EpochPlan(
+            steps=tuple(steps),
+            valid_rows=tuple(meta.ids[k] for k in order),
+            invalid_rows=invalid,
+            dropped=dropped,
+        )
+
+    # ----------------------------------------------------------------- helpers
+    def _check_counts(
+        self, rows: int, valid: int, invalid: int, dropped: int, iteration: int, minibatches: int
+    ) -> None:
+        lost = invalid + dropped
         if lost > self.drop_budget:
             raise DropBudgetExceeded(
-                f"{lost} samples lost this iteration ({len(invalid)} invalid rows, {dropped} "
+                f"{lost} samples lost this iteration ({invalid} invalid rows, {dropped} "
                 f"dropped before the store) exceed data.drop_budget={self.drop_budget}; raise "
                 "data.drop_budget or fix the rollouts that produce empty / masked responses."
             )
         if not valid:
             raise NoValidRows(
-                f"none of the {len(meta.ids)} rows of iteration {iteration} has a valid "
+                f"none of the {rows} rows of iteration {iteration} has a valid "
                 "response token; nothing can be trained (check response masking, overlong "
                 "filtering and the rollout engine)."
             )
         if minibatches < 1:
             raise ValueError(f"minibatches={minibatches} must be >= 1.")
-        world, rank = (self.world_size, self.rank) if shard else (1, 0)
-        if len(valid) < minibatches * (world if self.fixed_rows_per_rank else 1):
+        world = self.world_size
+        if valid < minibatches * (world if self.fixed_rows_per_rank else 1):
             raise ValueError(
-                f"{len(valid)} valid rows cannot fill {minibatches} minibatches; lower the "
+                f"{valid} valid rows cannot fill {minibatches} minibatches; lower the "
                 "number of minibatches or collect more rows per iteration."
             )
-        if self.fixed_rows_per_rank and len(valid) % (world * minibatches) != 0:
+        if self.fixed_rows_per_rank and valid % (world * minibatches) != 0:
             raise ValueError(
-                f"{len(valid)} valid rows are not divisible by {world} ranks x "
+                f"{valid} valid rows are not divisible by {world} ranks x "
                 f"{minibatches} minibatches while data.fixed_rows_per_rank=true."
             )
-        order = list(valid)
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(_seed(self.seed, phase, iteration, epoch))
-            order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
-        valid_count = dict(zip(meta.ids, meta.valid_tokens, strict=True))
-        steps = []
-        for k, rows in enumerate(_split(order, minibatches)):
-            steps.append(self._plan_step(rows, length, valid_count, epoch, k, world, rank))
-        return EpochPlan(
-            steps=tuple(steps), valid_rows=tuple(order), invalid_rows=invalid, dropped=dropped
-        )
 
-    # ----------------------------------------------------------------- helpers
+    def _minibatches(
+        self, order: list[int], owners: Sequence[int] | None, minibatches: int
+    ) -> list[list[int]]:
+        """The rows of each optimizer step: contiguous pieces of the shuffled order.
+
+        With ``fixed_rows_per_rank`` and owned rows, each rank's own rows (in shuffled order)
+        are split instead, so every rank holds the same number of rows of every step.
+        """
+        if owners is None or not self.fixed_rows_per_rank or self.world_size == 1:
+            return _split(order, minibatches)
+        own = [[k for k in order if owners[k] == r] for r in range(self.world_size)]
+        if len({len(rows) for rows in own}) > 1:
+            raise ValueError(
+                f"data.fixed_rows_per_rank=true needs every rank to hold the same number of "
+                f"valid rows, got {[len(rows) for rows in own]} per rank; make "
+                "model.rollout.prompts_per_iteration / model.rollout.prompts_per_block a "
+                "multiple of the number of ranks, or set data.fixed_rows_per_rank=false."
+            )
+        parts = [_split(rows, minibatches) for rows in own]
+        return [[k for p in parts for k in p[m]] for m in range(minibatches)]
+
     def _plan_step(
         self,
         rows: list[int],
-        length: dict[int, int],
-        valid_count: dict[int, int],
+        meta: RowMeta,
+        owners: Sequence[int] | None,
         epoch: int,
         minibatch: int,
-        world: int,
-        rank: int,
     ) -> StepPlan:
-        if self.fixed_rows_per_rank:
-            shares = _split(rows, world)
-            per_rank = [self._pack(share, length) for share in shares]
+        """This rank's chunks of one step (``rows`` are positions in ``meta``)."""
+        world, length = self.world_size, meta.lengths
+        if owners is not None:
+            per_rank = [
+                self._pack([k for k in rows if owners[k] == r], length) for r in range(world)
+            ]
+        elif self.fixed_rows_per_rank:
+            per_rank = [self._pack(share, length) for share in _split(rows, world)]
         else:
             chunks = self._pack(rows, length)
             per_rank = [chunks[r::world] for r in range(world)]
         width = max(len(c) for c in per_rank)
-        mine = per_rank[rank] + [()] * (width - len(per_rank[rank]))
-        slots = sum(len(c) * max(length[i] for i in c) for cs in per_rank for c in cs)
-        used = sum(length[i] for i in rows)
+        mine = per_rank[self.rank] + [()] * (width - len(per_rank[self.rank]))
+        slots = sum(len(c) * max(length[k] for k in c) for cs in per_rank for c in cs)
+        used = sum(length[k] for k in rows)
         return StepPlan(
-            chunks=tuple(tuple(c) for c in mine),
+            chunks=tuple(tuple(meta.ids[k] for k in c) for c in mine),
             normalizers=Normalizers(
-                valid_tokens=sum(valid_count[i] for i in rows), valid_rows=len(rows)
+                valid_tokens=sum(meta.valid_tokens[k] for k in rows), valid_rows=len(rows)
             ),
             epoch=epoch,
             minibatch=minibatch,
             padding_fraction=1.0 - used / slots if slots else 0.0,
         )
 
-    def _pack(self, rows: list[int], length: dict[int, int]) -> list[tuple[int, ...]]:
+    def _pack(self, rows: list[int], length: Sequence[int]) -> list[tuple[int, ...]]:
         """Greedy packing of rows, longest first, so ``len(chunk) × longest ≤ budget``."""
         ordered = sorted(rows, key=lambda i: -length[i])
         chunks: list[tuple[int, ...]] = []

@@ -13,12 +13,11 @@ Use it as ``--trainer.strategy ppo_ddp`` (the name is registered in Lightning's
 ``StrategyRegistry`` when :mod:`lppo.trainer` is imported), ``--trainer.strategy
 lppo.strategy.PPODDPStrategy``, or ``PPOTrainer(strategy=PPODDPStrategy(), devices=2)``.
 
-Data layout: rank 0 generates and rewards each
-iteration's rollout and broadcasts it, so every rank holds *all* rows in its own (rank-local)
-replay store; every rank scores all rows and computes the advantages of all rows (redundant
-but identical), then each rank trains only its shard of the chunks of every optimizer step.
-Generating on rank 0 alone leaves the other ranks idle during rollout; letting each rank
-generate its own share is a possible later improvement.
+Data layout: each rank generates and rewards its own contiguous blocks of the iteration's
+prompts (``model.rollout.prompts_per_block``), puts those rows into its store (a rank-local
+one, or its own row ids of a shared one), and scores, estimates and trains only them; one
+all-gather of row metadata gives every rank the same plan with global normalizers and equal
+chunk counts (zero-weight padding), and the statistics spanning rows are reduced across ranks.
 """
 
 from __future__ import annotations
@@ -41,15 +40,13 @@ class PPODDPStrategy(DDPStrategy):
 
     Gradients are summed across ranks once per optimizer step by the PPO modules themselves
     (one coalesced all-reduce in :meth:`~lppo.modules.PPOModule.finish`), diagnostics once per
-    step, advantage-whitening moments once per iteration. Each rank holds every row of the
-    iteration (rank 0's rollout is broadcast; rollouts are not yet split across ranks), scores
-    all of them, and trains its own shard of every step's chunks.
+    step, advantage-whitening moments once per iteration. Each rank generates, scores and
+    trains only its own rows (see the module docstring).
 
-    The replay store must be rank-local (each process its own, like the default
-    :class:`~lppo.replay.MemoryReplayStore`): every rank puts, scores and releases all rows.
-    Each step's chunks are dealt round-robin over the ranks; a rank without a real chunk trains
-    a zero-weight padding chunk, so ``data.max_tokens_per_chunk`` should be small enough for
-    every step to have at least as many chunks as ranks.
+    The replay store may be rank-local (each process its own, like the default
+    :class:`~lppo.replay.MemoryReplayStore`) or shared (each rank then reads and releases only
+    the row ids it put). A rank without a real chunk in a step trains a zero-weight padding
+    chunk, so every rank runs the same number of chunks.
 
     Args:
         accelerator: see ``DDPStrategy``.

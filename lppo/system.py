@@ -35,11 +35,11 @@ class PPOSystem(LightningModule):
     epochs → release; 3. the engine is synced to the actor's new weights.
 
     Data parallelism: with ``trainer.strategy=ppo_ddp`` (:class:`lppo.strategy.PPODDPStrategy`)
-    and several devices, rank 0 generates and rewards each rollout and broadcasts it, so every
-    rank's (rank-local) replay store holds all rows; every rank scores all rows and computes
-    all advantages (duplicated work, identical results), then trains only its shard of each
-    step's chunks, with gradients and diagnostics summed across ranks once per optimizer step.
-    Lightning's own multi-process strategies (``ddp``, ``fsdp``, ...) are rejected.
+    and several devices, each rank generates and rewards its own blocks of prompts
+    (``model.rollout.prompts_per_block``), puts them into the store (its own, or its own row ids
+    of a shared one), and scores, estimates and trains only those rows; gradients, diagnostics
+    and iteration statistics are reduced across ranks, so the result is the single-process
+    one. Lightning's own multi-process strategies (``ddp``, ``fsdp``, ...) are rejected.
 
     Args:
         actor: the policy (subclass :class:`ActorModule` to customize it).
@@ -210,7 +210,7 @@ class PPOSystem(LightningModule):
         self.configure_model()
         assert self.controller is not None and self.rollout_source is not None
         clock = time.perf_counter()
-        # 1. rollout (rank 0 generates; every rank receives the same rows)
+        # 1. rollout (each rank generates its own blocks of prompts)
         rollout = self.rollout_source.collect(iteration)
         # 2. score → advantages → critic epochs → actor epochs → release
         result = self.controller.run_iteration(

@@ -1,9 +1,12 @@
 """A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
 
-Run as ``python ddp_fit_worker.py --devices N --out DIR``. With ``N > 1`` the fit uses
-:class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this script for ranks ``1..N-1`` (so it
-must not run under pytest, whose command would be relaunched instead). Every rank writes
-``DIR/rank<R>.json`` (the chunks it trained per step, global step, rows left in its store) and
+Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64]``. With ``N > 1`` the
+fit uses :class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this script for ranks
+``1..N-1`` (so it must not run under pytest, whose command would be relaunched instead). Five
+prompts in blocks of one over two ranks: rank 0 generates three, rank 1 two (uneven rows), and
+overlong responses are masked (uneven valid rows, counted against the drop budget). Every rank
+writes ``DIR/rank<R>.json`` (per iteration the prompts of the rows it put; per step the chunks
+it trained and the token ids of their rows; global step; rows left in its store) and
 ``DIR/state<R>.pt`` (the final actor + critic parameters); rank 0's logger writes
 ``DIR/run/version_0/metrics.csv``. Ranks > 0 perturb their freshly built models, so the parity
 also checks that the strategy starts every rank from rank 0's parameters.
@@ -32,10 +35,13 @@ from lppo.trainer import PPOTrainer
 
 ITERATIONS = 2
 MAX_TOKENS_PER_CHUNK = 24
+PROMPTS = 5
 
 
-def spec(seed: int) -> HFCausalLM:
-    return HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed)
+def spec(seed: int, dtype: str) -> HFCausalLM:
+    return HFCausalLM(
+        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed, dtype=dtype
+    )
 
 
 class PerturbedOnOtherRanks(PPOSystem):
@@ -56,9 +62,16 @@ class RecordPlans(PPOCallback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.steps: list[dict[str, Any]] = []
+        self.rollouts: list[dict[str, Any]] = []
+
+    def on_rollout_end(self, ctx: IterationContext) -> None:
+        prompts = ctx.store.read(ctx.row_ids, ["prompt_index"])["prompt_index"]
+        self.rollouts.append({"iteration": ctx.iteration, "prompts": [int(p) for p in prompts]})
 
     def on_train_step_start(self, ctx: IterationContext) -> None:
         assert ctx.plan is not None
+        ids = [i for c in ctx.plan.chunks for i in c]
+        tokens = ctx.store.read(ids, ["input_ids"])["input_ids"] if ids else []
         self.steps.append(
             {
                 "iteration": ctx.iteration,
@@ -66,6 +79,7 @@ class RecordPlans(PPOCallback):
                 "epoch": ctx.epoch,
                 "minibatch": ctx.minibatch,
                 "chunks": [list(c) for c in ctx.plan.chunks],
+                "rows": [t.tolist() for t in tokens],
             }
         )
 
@@ -81,6 +95,7 @@ class RecordPlans(PPOCallback):
             "global_step": trainer.global_step,
             "rows_left": len(store.meta().ids),
             "steps": self.steps,
+            "rollouts": self.rollouts,
         }
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
         state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
@@ -91,15 +106,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     system = PerturbedOnOtherRanks(
-        actor=ActorModule(spec(0), lr=3e-3),
-        critic=CriticModule(spec(1), lr=3e-3),
+        actor=ActorModule(spec(0, args.dtype), lr=3e-3),
+        critic=CriticModule(spec(1, args.dtype), lr=3e-3),
         task=CopyTask(),
-        rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens=4),
-        ppo=PPOConfig(critic_epochs=2, actor_minibatches=2, kl_coef=0.05),
+        rollout=RolloutSettings(
+            prompts_per_iteration=PROMPTS,
+            samples_per_prompt=3,
+            max_new_tokens=4,
+            prompts_per_block=1,
+        ),
+        ppo=PPOConfig(critic_epochs=2, actor_minibatches=2, kl_coef=0.05, mask_truncated=True),
         num_threads=1,
     )
     strategy: Any = PPODDPStrategy() if args.devices > 1 else "auto"
@@ -111,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         strategy=strategy,
         callbacks=[RecordPlans(args.out)],
     )
-    data = ReplayDataModule(max_tokens_per_chunk=MAX_TOKENS_PER_CHUNK)
+    data = ReplayDataModule(max_tokens_per_chunk=MAX_TOKENS_PER_CHUNK, drop_budget=3 * PROMPTS)
     trainer.fit(system, datamodule=data)
 
 

@@ -273,22 +273,6 @@ def test_dropout_is_off_so_the_first_ratio_is_one(disable):
         assert first["ratio_max"] - first["ratio_min"] > 1e-3
 
 
-def test_a_shared_store_is_rejected_under_data_parallelism():
-    from lppo.parallel import ParallelContext, ProcessGroup
-
-    class SharedStore(MemoryReplayStore):
-        @property
-        def shared(self):
-            return True
-
-    data = ReplayDataModule(max_tokens_per_chunk=30, store=SharedStore())
-    two_ranks = ParallelContext(data=ProcessGroup(size=2, rank=0))
-    actor, critic = ActorModule(tiny_lm()), CriticModule(tiny_backbone())
-    with pytest.raises(ValueError, match=r"data\.store=SharedStore is shared"):
-        PPOController(actor, critic, data, parallel=two_ranks)
-    PPOController(actor, critic, data)  # one process: fine
-
-
 class NaNActor(ActorModule):
     """An actor whose loss is NaN: every step it takes is skipped."""
 

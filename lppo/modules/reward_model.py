@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lppo.parallel import SINGLE, ProcessGroup
 from lppo.stats import Moments
 from lppo.types import Chunk
 
@@ -89,17 +90,24 @@ class RewardModel(nn.Module):
         hidden = out.last_hidden_state[torch.arange(len(last), device=device), last]
         return self.classifier.score(hidden).squeeze(-1).to(torch.float64).cpu()
 
-    def combine(self, task_rewards: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, task_rewards: torch.Tensor, scores: torch.Tensor, group: ProcessGroup = SINGLE
+    ) -> torch.Tensor:
         """The rows' rewards ``task_weight·r + weight·ŝ`` (``float64[n]``); updates the moments.
 
         Args:
-            task_rewards: ``float[n]`` verifiable rewards of the iteration's valid rows.
+            task_rewards: ``float[n]`` verifiable rewards of this rank's valid rows.
             scores: ``float64[n]`` raw model scores of the same rows.
+            group: the ranks holding the iteration's other rows (the running moments take
+                every rank's scores, so every rank normalizes alike).
         """
         shaped = scores.to(torch.float64)
         if self.normalize:
             moments = Moments(*(float(v) for v in self.running))
-            moments.update(shaped)
+            iteration = Moments()
+            iteration.update(shaped)
+            iteration.all_reduce(group)
+            moments.merge(iteration)
             self.running.copy_(
                 torch.tensor([moments.count, moments.mu, moments.m2], dtype=torch.float64)
             )

@@ -66,6 +66,13 @@ class RolloutSettings:
         temperature: sampling temperature (the actor scores with the same one).
         top_p: nucleus-sampling mass; 1 disables it.
         top_k: keep the ``top_k`` most likely tokens; 0 disables it.
+        prompts_per_block: prompts generated together, from one seed, by one ``generate``
+            call: the unit of rollout work that data-parallel ranks split (whole blocks,
+            contiguous, so every prompt's samples stay on one rank). Block ``b`` of iteration
+            ``i`` samples from a seed derived from ``(model.seed, i, b)``, so with a fixed value
+            the samples do not depend on how many ranks generate them. ``null``: one block per
+            data-parallel rank (one block in a single process); set it to compare runs across
+            rank counts.
     """
 
     prompts_per_iteration: int = 32
@@ -74,6 +81,7 @@ class RolloutSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    prompts_per_block: int | None = None
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
@@ -87,6 +95,10 @@ class RolloutSettings:
             raise ValueError(f"model.rollout.top_p={self.top_p} must lie in (0, 1].")
         if self.top_k < 0:
             raise ValueError(f"model.rollout.top_k={self.top_k} must be >= 0 (0 disables it).")
+        if self.prompts_per_block is not None and self.prompts_per_block < 1:
+            raise ValueError(
+                f"model.rollout.prompts_per_block={self.prompts_per_block} must be >= 1 or null."
+            )
 
     @property
     def rows_per_iteration(self) -> int:

@@ -1,20 +1,33 @@
 """``RolloutSource``: where each iteration's rollout comes from.
 
 Prompts from the task → the engine's samples → one batch call of ``Task.rewards`` → a packed
-:class:`~lppo.types.Rollout`. Today rank 0 of the data-parallel group generates and the rollout
-is broadcast, so every rank holds bit-identical rows; a source that generates on every rank
-or in other processes replaces this object without touching the system or the controller.
+:class:`~lppo.types.Rollout`. The iteration's prompts are cut into *blocks*
+(``model.rollout.prompts_per_block``); each block is one ``generate`` call from a seed derived
+from ``(seed, iteration, block)``, so a block's samples are the same whoever generates it. Under
+data parallelism every rank draws the same prompts and generates its own contiguous run of
+blocks (rank 0 the first ones), so no rank repeats another's work, every prompt's samples stay
+on one rank, and the ranks' rows in rank order are the single-process rows in order.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
+
+import torch
 
 from lppo.controller import IterationError
 from lppo.modules import ActorModule
 from lppo.parallel import SINGLE, ProcessGroup
-from lppo.rollout.base import RewardError, RolloutEngine, RolloutSettings, score, to_rollout
+from lppo.rollout.base import (
+    GenerationOutput,
+    RewardError,
+    RolloutEngine,
+    RolloutSettings,
+    score,
+    to_rollout,
+)
 from lppo.tasks import Task
 from lppo.types import Rollout
 
@@ -29,6 +42,50 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def prompt_blocks(settings: RolloutSettings, world_size: int = 1) -> list[range]:
+    """The prompt-index ranges of an iteration's blocks (the last one may be shorter).
+
+    Raises:
+        ValueError: fewer blocks than ranks (a rank would generate nothing), naming the keys.
+    """
+    n = settings.prompts_per_iteration
+    size = settings.prompts_per_block or -(-n // world_size)
+    blocks = [range(start, min(start + size, n)) for start in range(0, n, size)]
+    if len(blocks) < world_size:
+        raise ValueError(
+            f"model.rollout.prompts_per_iteration={n} with model.rollout.prompts_per_block="
+            f"{settings.prompts_per_block} gives {len(blocks)} block(s) for {world_size} "
+            "data-parallel ranks: every rank needs at least one block. Lower "
+            "model.rollout.prompts_per_block or raise model.rollout.prompts_per_iteration."
+        )
+    return blocks
+
+
+def block_seed(seed: int, iteration: int, block: int) -> int:
+    """Generation seed of ``block`` of ``iteration`` (block 0 keeps the iteration's own seed)."""
+    return derive_seed(seed, "generate", iteration, *([block] if block else []))
+
+
+def rank_share(blocks: int, world_size: int, rank: int) -> range:
+    """The contiguous block indices ``rank`` generates (sizes differ by at most one)."""
+    base, extra = divmod(blocks, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
+    """The samples of several ``generate`` calls, in order, as one output."""
+    return GenerationOutput(
+        input_ids=[x for o in outputs for x in o.input_ids],
+        response_mask=[x for o in outputs for x in o.response_mask],
+        gen_logprobs=[x for o in outputs for x in o.gen_logprobs],
+        completions=[x for o in outputs for x in o.completions],
+        truncated=torch.cat([o.truncated for o in outputs]),
+        prompt_index=torch.cat([o.prompt_index for o in outputs]),
+        prompt_lengths=torch.cat([o.prompt_lengths for o in outputs]),
+    )
+
+
 class RolloutSource:
     """Generates and rewards each iteration's samples, keeping the engine on fresh weights.
 
@@ -39,7 +96,7 @@ class RolloutSource:
         settings: sampling settings.
         seed: base seed; iteration ``i`` samples prompts and responses from seeds derived from
             ``(seed, i)``, so a resumed run samples exactly what the uninterrupted run would.
-        group: the data-parallel group (rank 0 generates, the others receive its rollout).
+        group: the data-parallel group (each rank generates its own share of the blocks).
     """
 
     def __init__(
@@ -57,6 +114,7 @@ class RolloutSource:
         self.settings = settings
         self.seed = seed
         self.group = group
+        prompt_blocks(settings, group.size)  # reject too few blocks at setup
 
     def sync(self) -> None:
         """Bring the engine to the actor's current weights (lppo calls it after each actor phase).
@@ -77,21 +135,26 @@ class RolloutSource:
             )
 
     def collect(self, iteration: int) -> Rollout:
-        """The rewarded samples of ``iteration`` (generated on rank 0, identical on every rank)."""
-        rollout = None
-        if self.group.rank == 0:
-            self.sync()  # never sample from weights older than the actor's
-            s = self.settings
-            prompts = self.task.sample_prompts(
-                s.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
-            )
+        """This rank's rewarded samples of ``iteration`` (its blocks; ``prompt_index`` global)."""
+        self.sync()  # never sample from weights older than the actor's
+        s = self.settings
+        prompts = self.task.sample_prompts(
+            s.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
+        )
+        blocks = prompt_blocks(s, self.group.size)
+        outputs = []
+        for b in rank_share(len(blocks), self.group.size, self.group.rank):
+            block = blocks[b]
             output = self.engine.generate(
-                prompts, s.samples_per_prompt, seed=derive_seed(self.seed, "generate", iteration)
+                [prompts[i] for i in block],
+                s.samples_per_prompt,
+                seed=block_seed(self.seed, iteration, b),
             )
-            try:
-                rewards = score(self.task, prompts, output)
-            except RewardError as error:
-                raise IterationError(f"iteration {iteration}, phase rollout: {error}") from error
-            rollout = to_rollout(output, rewards)
-        # Rank 0's rows everywhere, even where generation is not reproducible across devices.
-        return self.group.broadcast_object(rollout, src=0)
+            output.prompt_index = output.prompt_index + block.start
+            outputs.append(output)
+        output = concat_outputs(outputs)
+        try:
+            rewards = score(self.task, prompts, output)
+        except RewardError as error:
+            raise IterationError(f"iteration {iteration}, phase rollout: {error}") from error
+        return to_rollout(output, rewards)

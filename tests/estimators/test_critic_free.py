@@ -32,7 +32,7 @@ def make_store(n_prompts: int, k: int, seed: int, invalid: int = 0):
 
 def run(estimator, store, budget: int, kl_coef: float, kl_kind: str) -> dict[int, torch.Tensor]:
     planner = ChunkPlanner(budget, seed=3, drop_budget=len(store))
-    [step] = planner.plan(store.meta(), shard=False).steps
+    [step] = planner.plan(store.meta()).steps
     estimator.estimate(EstimatorInputs(store, step, SINGLE, kl_coef, kl_kind))
     ids = [i for c in step.chunks for i in c]
     return dict(zip(ids, store.read(ids, [ADVANTAGES])[ADVANTAGES], strict=True))

@@ -40,7 +40,7 @@ def test_scores_are_per_row_whatever_the_chunking():
     model.configure_model()
     want = [float(model.classifier(input_ids=ids[None]).logits[0, 0]) for ids in cols[INPUT_IDS]]
     for budget in (14, 1000):
-        [step] = ChunkPlanner(budget, seed=1).plan(store.meta(), shard=False).steps
+        [step] = ChunkPlanner(budget, seed=1).plan(store.meta()).steps
         got = {}
         for chunk in iter_chunks(store, step, []):
             got.update(zip(chunk.row_ids, model.score(chunk).tolist(), strict=True))

@@ -1,0 +1,83 @@
+"""``RolloutSource``: prompt blocks split over ranks give the single process's samples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lppo.models import HFCausalLM
+from lppo.modules import ActorModule
+from lppo.parallel import ProcessGroup
+from lppo.rollout import HFGenerateEngine, RolloutSettings, RolloutSource
+from lppo.rollout.source import derive_seed, prompt_blocks, rank_share
+from lppo.tasks import CopyTask
+from lppo.tokenizer import build_char_tokenizer
+from lppo.types import Rollout
+
+TASK = CopyTask()
+TOK = build_char_tokenizer(TASK.vocabulary())
+
+
+def source(settings: RolloutSettings, world: int = 1, rank: int = 0) -> RolloutSource:
+    """A source over a fresh tiny actor (same seed everywhere) as ``rank`` of ``world``."""
+    actor = ActorModule(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=0))
+    actor.configure_model(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+    engine = HFGenerateEngine()
+    engine.setup(actor.model, TOK, settings)
+    # Generation runs no collective, so a rank of a larger group can run in this process.
+    return RolloutSource(TASK, engine, actor, settings, seed=5, group=ProcessGroup(world, rank))
+
+
+def rows(rollout: Rollout) -> list[tuple]:
+    return [
+        (tuple(ids.tolist()), tuple(lp.tolist()), float(r), int(p))
+        for ids, lp, r, p in zip(
+            rollout.input_ids,
+            rollout.gen_logprobs,
+            rollout.reward,
+            rollout.prompt_index,
+            strict=True,
+        )
+    ]
+
+
+def test_blocks_and_shares():
+    settings = RolloutSettings(prompts_per_iteration=7, prompts_per_block=3)
+    assert prompt_blocks(settings) == [range(0, 3), range(3, 6), range(6, 7)]
+    assert [list(rank_share(5, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(rank_share(3, 3, r)) for r in range(3)] == [[0], [1], [2]]
+    # null: one block per rank.
+    assert prompt_blocks(RolloutSettings(prompts_per_iteration=5), 2) == [range(0, 3), range(3, 5)]
+    assert prompt_blocks(RolloutSettings(prompts_per_iteration=5)) == [range(0, 5)]
+
+
+def test_too_few_blocks_for_the_ranks_fail_at_setup():
+    settings = RolloutSettings(prompts_per_iteration=4, prompts_per_block=3)
+    with pytest.raises(ValueError, match=r"model\.rollout\.prompts_per_block=3 gives 2 block"):
+        source(settings, world=3)
+    with pytest.raises(ValueError, match=r"prompts_per_block=0 must be >= 1"):
+        RolloutSettings(prompts_per_block=0)
+
+
+def test_ranks_generate_disjoint_blocks_that_make_up_the_single_process_rollout():
+    settings = RolloutSettings(
+        prompts_per_iteration=5, samples_per_prompt=2, max_new_tokens=4, prompts_per_block=1
+    )
+    one = source(settings).collect(iteration=3)
+    parts = [source(settings, world=2, rank=r).collect(iteration=3) for r in range(2)]
+    assert [sorted(set(p.prompt_index.tolist())) for p in parts] == [[0, 1, 2], [3, 4]]
+    assert rows(parts[0]) + rows(parts[1]) == rows(one)  # bitwise, in sample order
+    # Another iteration samples other responses; a block's seed does not depend on the rank.
+    assert rows(source(settings).collect(iteration=4)) != rows(one)
+
+
+def test_one_block_keeps_the_iteration_seed():
+    """``prompts_per_block: null`` in one process samples as before blocks existed."""
+    settings = RolloutSettings(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=4)
+    src = source(settings)
+    got = src.collect(iteration=2)
+    prompts = TASK.sample_prompts(3, random.Random(derive_seed(5, "prompts", 2)))
+    want = src.engine.generate(prompts, 2, seed=derive_seed(5, "generate", 2))
+    assert all(torch.equal(a, b) for a, b in zip(got.input_ids, want.input_ids, strict=True))
