@@ -22,6 +22,9 @@ chunk counts (zero-weight padding), and the statistics spanning rows are reduced
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -83,10 +86,51 @@ class PPODDPStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
 
+    def setup_distributed(self) -> None:
+        """Bind the process group's sockets to loopback when the main address is loopback.
+
+        Gloo and NCCL otherwise pick the interface of the machine's hostname, which may be an
+        external one even when every rank runs here (``MASTER_ADDR`` unset or 127.0.0.1).
+        """
+        assert self.cluster_environment is not None
+        bind_to_loopback(self.cluster_environment.main_address)
+        super().setup_distributed()
+
     def configure_ddp(self) -> None:
         """Leave the module unwrapped; make every rank start from rank 0's module states."""
         assert isinstance(self.model, LightningModule)
         parallel_context(self).data.broadcast_module(self.model)
+
+
+#: Environment variables naming the interface gloo / NCCL open their sockets on.
+SOCKET_IFNAME_VARS: tuple[str, ...] = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (a host name or IP) resolves to a loopback address."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+def bind_to_loopback(main_address: str) -> None:
+    """Make gloo and NCCL use the loopback interface when ``main_address`` is loopback.
+
+    An interface configured by the user (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``) or a
+    non-loopback main address (a real multi-node run) is left alone.
+    """
+    interface = loopback_interface()
+    if interface is None or not is_loopback(main_address):
+        return
+    for name in SOCKET_IFNAME_VARS:
+        os.environ.setdefault(name, interface)
 
 
 def parallel_context(strategy: Any) -> ParallelContext:

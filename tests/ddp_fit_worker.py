@@ -1,8 +1,9 @@
 """A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
 
-Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64]``. With ``N > 1`` the
-fit uses :class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this script for ranks
-``1..N-1`` (so it must not run under pytest, whose command would be relaunched instead). Five
+Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]``.
+With ``N x M > 1`` the fit uses :class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this
+script for ranks ``1..N-1`` (so it must not run under pytest, whose command would be relaunched
+instead); with ``M > 1`` an external launcher (torchrun, SLURM's srun) starts every node. Five
 prompts in blocks of one over two ranks: rank 0 generates three, rank 1 two (uneven rows), and
 overlong responses are masked (uneven valid rows, counted against the drop budget). Every rank
 writes ``DIR/rank<R>.json`` (per iteration the prompts of the rows it put; per step the chunks
@@ -20,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from lppo.config import PPOConfig
@@ -86,10 +88,16 @@ class RecordPlans(PPOCallback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         dist = torch.distributed
         rank = trainer.global_rank
+        # Local addresses of this process's connected TCP sockets (the process group's
+        # connections; the rendezvous store of rank 0 also listens, on torch's choice of address).
+        sockets = [c for c in psutil.Process().net_connections(kind="tcp") if c.raddr]
         store = pl_module.controller.data.store
         record = {
             "rank": rank,
             "world_size": trainer.world_size,
+            "node_rank": trainer.node_rank,
+            "cluster": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+            "socket_ips": sorted({c.laddr.ip for c in sockets if c.laddr}),
             "strategy": type(trainer.strategy).__name__,
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "global_step": trainer.global_step,
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-nodes", type=int, default=1)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -123,12 +132,13 @@ def main(argv: list[str] | None = None) -> None:
         ppo=PPOConfig(critic_epochs=2, actor_minibatches=2, kl_coef=0.05, mask_truncated=True),
         num_threads=1,
     )
-    strategy: Any = PPODDPStrategy() if args.devices > 1 else "auto"
+    strategy: Any = PPODDPStrategy() if args.devices * args.num_nodes > 1 else "auto"
     trainer = PPOTrainer(
         max_epochs=ITERATIONS,
         default_root_dir=str(args.out / "run"),
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         callbacks=[RecordPlans(args.out)],
     )
