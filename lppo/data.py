@@ -117,6 +117,14 @@ class ReplayDataModule(LightningDataModule):
         """Yield the chunks of ``step`` with columns ``names``, reading each when reached."""
         return iter_chunks(self.store, step, names)
 
+    def teardown(self, stage: str) -> None:
+        """End of fit: the store lets go of what it started (a local Ray, TransferQueue)."""
+        self.store.close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed fit (Lightning calls no ``teardown`` then): the store lets go as well."""
+        self.store.close()
+
     def state_dict(self) -> dict[str, Any]:
         """The store's content (empty at iteration boundaries)."""
         return {"store": self.store.state_dict()}

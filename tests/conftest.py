@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -12,3 +13,12 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _transfer_queue_session():
+    """Stop the session's Ray + TransferQueue (started by the first test that needs them)."""
+    yield
+    import _tq
+
+    _tq.shutdown()

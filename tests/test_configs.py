@@ -36,7 +36,7 @@ def test_config_learns(tmp_path, config):
 def test_every_config_is_exercised():
     """A new config under configs/ must get a test here."""
     names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
-    assert names == ["dataset.yaml", "grpo.yaml", "tiny.yaml"]
+    assert names == ["dataset.yaml", "grpo.yaml", "tiny.yaml", "tq.yaml"]
 
 
 def test_dataset_config_runs(tmp_path, monkeypatch):
@@ -52,6 +52,31 @@ def test_dataset_config_runs(tmp_path, monkeypatch):
             "2",
             "--trainer.default_root_dir",
             str(tmp_path),
+        ]
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 2
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.distributed
+def test_tq_config_runs(tmp_path):
+    """``configs/tq.yaml`` (rows in TransferQueue), shortened to 2 iterations, on the session's
+    Ray + TransferQueue (same store settings, so the fit attaches instead of starting its own)."""
+    import _tq
+
+    _tq.start()
+    run(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "tq.yaml"),
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--data.store.init_args.temp_dir",
+            _tq.TEMP_DIR,
         ]
     )
     summary = json.loads((tmp_path / "summary.json").read_text())

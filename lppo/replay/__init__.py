@@ -2,5 +2,6 @@
 
 from lppo.replay.base import ReplayError, ReplayStore
 from lppo.replay.memory import MemoryReplayStore
+from lppo.replay.transfer_queue import TransferQueueReplayStore
 
-__all__ = ["MemoryReplayStore", "ReplayError", "ReplayStore"]
+__all__ = ["MemoryReplayStore", "ReplayError", "ReplayStore", "TransferQueueReplayStore"]

@@ -21,6 +21,9 @@ Rules every backend follows (the conformance suite in ``tests/replay`` checks th
   has its own (a local one).
 * ``claim`` marks rows as retained by an owner until they are released; claiming a row that is
   already claimed raises ``RuntimeError``.
+* ``close`` lets go of what the store holds outside this process's memory (connections, and
+  services it started itself); ``ReplayDataModule`` calls it at the end of fit and on failure.
+  It is idempotent and the store stays usable (a later call reconnects).
 """
 
 from __future__ import annotations
@@ -117,6 +120,10 @@ class ReplayStore(Protocol):
 
     def __len__(self) -> int:
         """Number of live rows."""
+        ...
+
+    def close(self) -> None:
+        """Let go of connections and of services the store started (idempotent)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,77 +20,27 @@ See :mod:`lppo.replay.base` for the rules every backend follows. Choices left op
   with a dead run is left more than half dead or unused, so ``nbytes`` stays under about twice
   the live bytes; a store whose rows all went holds 0.
 * ``state_dict`` keeps that layout, so a loaded store holds the same ``nbytes``.
-* Released ids are kept as ranges of consecutive ids (:class:`~lppo.replay._segments.IdRanges`),
+* Released ids are kept as ranges of consecutive ids (:class:`~lppo.replay._ids.IdRanges`),
   so remembering them costs nothing per row when ids are handed out in sequence.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from operator import index
 from typing import Any
 
 import torch
 
-from lppo.replay._segments import Column, IdRanges, column_state, count_true, load_column
+from lppo.replay._checks import FIXED_SPECS, Spec, as_ids, as_lists, check_tensor, decode_dtype
+from lppo.replay._ids import IdRanges
+from lppo.replay._segments import Column, column_state, count_true, load_column
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
 
 __all__ = ["MemoryReplayStore"]
 
-_Spec = tuple[torch.dtype, int]
-_FIXED: dict[str, _Spec] = {INPUT_IDS: (torch.int64, 1), RESPONSE_MASK: (torch.bool, 1)}
 _FORMAT = "lppo.replay.memory/2"
-
-
-def _as_ids(op: str, ids: Sequence[int]) -> list[int]:
-    """Return ``ids`` as ints, raising ``ValueError`` on duplicates."""
-    out = [index(i) for i in ids]
-    dups = sorted(i for i, n in Counter(out).items() if n > 1)
-    if dups:
-        raise ValueError(f"{op}: duplicate row ids {dups}")
-    return out
-
-
-def _as_lists(
-    op: str, columns: Mapping[str, Sequence[torch.Tensor]], n: int
-) -> dict[str, list[torch.Tensor]]:
-    """Return ``columns`` as lists of ``n`` tensors each (``ValueError`` / ``TypeError``)."""
-    out: dict[str, list[torch.Tensor]] = {}
-    for name, seq in columns.items():
-        tensors = list(seq)
-        if len(tensors) != n:
-            raise ValueError(f"{op}: column {name!r} has {len(tensors)} tensors for {n} ids")
-        for j, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"{op}: column {name!r} entry {j} is {type(t).__name__}, not Tensor"
-                )
-        out[name] = tensors
-    return out
-
-
-def _check_tensor(op: str, row: int, name: str, t: torch.Tensor, spec: _Spec, length: int) -> None:
-    """Raise ``TypeError`` on a dtype / rank mismatch, ``ValueError`` on a length mismatch."""
-    dtype, rank = spec
-    if t.dtype != dtype or t.dim() != rank:
-        raise TypeError(
-            f"{op}: row {row} column {name!r}: expected dtype {dtype} rank {rank}, "
-            f"got dtype {t.dtype} rank {t.dim()}"
-        )
-    if rank >= 1 and t.shape[0] != length:
-        raise ValueError(
-            f"{op}: row {row} column {name!r}: expected first dim {length} (row length), "
-            f"got {t.shape[0]}"
-        )
-
-
-def _decode_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)  # "torch.float32" -> float32
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"load_state_dict: unknown dtype {name!r}")
-    return dtype
 
 
 class MemoryReplayStore:
@@ -105,7 +55,7 @@ class MemoryReplayStore:
 
     def __init__(self) -> None:
         self._schema: tuple[str, ...] | None = None
-        self._columns: dict[str, _Spec] = {}
+        self._columns: dict[str, Spec] = {}
         self._claims: dict[int, str] = {}
         self._released = IdRanges()
         self._next_id = 0
@@ -164,17 +114,17 @@ class MemoryReplayStore:
 
     def _check_columns(
         self, op: str, ids: list[int], cols: dict[str, list[torch.Tensor]], lengths: list[int]
-    ) -> dict[str, _Spec]:
+    ) -> dict[str, Spec]:
         """Check every tensor against its column's spec; return the specs of new columns."""
-        new: dict[str, _Spec] = {}
+        new: dict[str, Spec] = {}
         for name, tensors in cols.items():
-            spec = self._columns.get(name) or _FIXED.get(name)
+            spec = self._columns.get(name) or FIXED_SPECS.get(name)
             if spec is None and tensors:
                 spec = (tensors[0].dtype, tensors[0].dim())
             if spec is None:
                 continue
             for i, t, length in zip(ids, tensors, lengths, strict=True):
-                _check_tensor(op, i, name, t, spec, length)
+                check_tensor(op, i, name, t, spec, length)
             if name not in self._columns:
                 new[name] = spec
         return new
@@ -189,10 +139,10 @@ class MemoryReplayStore:
             TypeError: a column's dtype or rank differs from the one it was created with.
 
         """
-        id_list = _as_ids("put", ids)
+        id_list = as_ids("put", ids)
         if INPUT_IDS not in columns:
             raise ValueError(f"put: missing column {INPUT_IDS!r}; got {sorted(columns)}")
-        cols = _as_lists("put", columns, len(id_list))
+        cols = as_lists("put", columns, len(id_list))
         if self._schema is not None and set(cols) != set(self._schema):
             missing, extra = set(self._schema) - set(cols), set(cols) - set(self._schema)
             raise KeyError(
@@ -203,7 +153,9 @@ class MemoryReplayStore:
         if live:
             raise KeyError(f"put: rows already live: {live}")
         for i, t in zip(id_list, cols[INPUT_IDS], strict=True):
-            _check_tensor("put", i, INPUT_IDS, t, _FIXED[INPUT_IDS], t.shape[0] if t.dim() else 0)
+            check_tensor(
+                "put", i, INPUT_IDS, t, FIXED_SPECS[INPUT_IDS], t.shape[0] if t.dim() else 0
+            )
         lengths = [int(t.shape[0]) for t in cols[INPUT_IDS]]
         new = self._check_columns("put", id_list, cols, lengths)
         if not id_list:
@@ -229,10 +181,10 @@ class MemoryReplayStore:
             TypeError: dtype or rank differs from the column's.
 
         """
-        id_list = _as_ids("write", ids)
+        id_list = as_ids("write", ids)
         if INPUT_IDS in columns:
             raise KeyError(f"write: column {INPUT_IDS!r} is fixed at put and cannot be written")
-        cols = _as_lists("write", columns, len(id_list))
+        cols = as_lists("write", columns, len(id_list))
         self._check_live("write", id_list)
         ks = [self._index[i] for i in id_list]
         new = self._check_columns("write", id_list, cols, [self._lengths[k] for k in ks])
@@ -301,7 +253,7 @@ class MemoryReplayStore:
             ValueError: ``ids`` repeats an id.
 
         """
-        id_list = _as_ids("claim", ids)
+        id_list = as_ids("claim", ids)
         self._check_live("claim", id_list)
         taken = {i: self._claims[i] for i in id_list if i in self._claims}
         if taken:
@@ -323,7 +275,7 @@ class MemoryReplayStore:
             ValueError: ``ids`` repeats an id.
 
         """
-        id_list = _as_ids("release", ids)
+        id_list = as_ids("release", ids)
         self._check_live("release", id_list)
         if not id_list:
             return
@@ -352,6 +304,9 @@ class MemoryReplayStore:
     def __len__(self) -> int:
         """Return the number of live rows."""
         return len(self._index)
+
+    def close(self) -> None:
+        """Nothing to let go of: the rows live in this process (they are kept)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild the store exactly (rows, schema, claims, released ids).
@@ -387,7 +342,7 @@ class MemoryReplayStore:
             )
         try:
             schema = None if state["schema"] is None else tuple(state["schema"])
-            specs = {n: (_decode_dtype(d), int(r)) for n, (d, r) in state["columns"].items()}
+            specs = {n: (decode_dtype(d), int(r)) for n, (d, r) in state["columns"].items()}
             ids = [index(i) for i in state["ids"]]
             lengths = array("q", state["lengths"].tolist())
             if len(lengths) != len(ids) or len(set(ids)) != len(ids):

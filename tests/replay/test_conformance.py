@@ -6,11 +6,12 @@ Written only against :mod:`lppo.replay.base`; add a backend with one line in ``B
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
 import torch
+from _tq import tq_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
@@ -18,21 +19,29 @@ from torch.overrides import TorchFunctionMode
 from lppo.replay import MemoryReplayStore, ReplayError, ReplayStore
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARD
 
-BACKENDS = [pytest.param(MemoryReplayStore, id="memory")]
+BACKENDS = [
+    pytest.param(MemoryReplayStore, id="memory"),
+    # Real Ray + TransferQueue, started once per session (tests/_tq.py).
+    pytest.param(tq_store, id="transfer_queue", marks=pytest.mark.distributed),
+]
 
 SCHEMA = (INPUT_IDS, RESPONSE_MASK, GEN_LOGPROBS, REWARD, "prompt_index", "tags")
 LENGTHS = {0: 5, 1: 2, 2: 9, 3: 1, 4: 7}
 
 
 @pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest) -> ReplayStore:
-    return request.param()
+def store(request: pytest.FixtureRequest) -> Iterator[ReplayStore]:
+    s = request.param()
+    yield s
+    s.close()
 
 
 @pytest.fixture
-def other(request: pytest.FixtureRequest, store: ReplayStore) -> ReplayStore:
+def other(request: pytest.FixtureRequest, store: ReplayStore) -> Iterator[ReplayStore]:
     """A second, empty store of the same backend as ``store``."""
-    return request.node.callspec.params["store"]()
+    s = request.node.callspec.params["store"]()
+    yield s
+    s.close()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -611,6 +620,13 @@ OPS = st.sampled_from(["put", "write_tok", "write_row", "release", "bad_release"
 @given(data=st.data())
 def test_random_ops_match_model(factory: Callable[[], ReplayStore], data: st.DataObject) -> None:
     store = factory()
+    try:
+        _random_ops(store, data)
+    finally:
+        store.close()
+
+
+def _random_ops(store: ReplayStore, data: st.DataObject) -> None:
     model: dict[int, dict[str, torch.Tensor]] = {}
     released: set[int] = set()
     for _ in range(data.draw(st.integers(1, 15), label="n_ops")):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lppo.replay import MemoryReplayStore
-from lppo.replay._segments import IdRanges
+from lppo.replay._ids import IdRanges
 from lppo.types import INPUT_IDS, RESPONSE_MASK
 
 F32 = 4

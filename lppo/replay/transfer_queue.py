@@ -1,0 +1,423 @@
+"""``TransferQueueReplayStore``: the replay rows in TransferQueue, shared by every process.
+
+See :mod:`lppo.replay.base` for the rules every backend follows; the conformance suite
+(``tests/replay/test_conformance.py``) runs against this backend for real. How it is built:
+
+* **Data plane: TransferQueue** (``pip install -c constraints.txt -e '.[tq]'``). A store is one
+  TransferQueue *partition*; row ``i`` is the key ``str(i)``; each column is a field. Token-level
+  columns travel as jagged nested tensors, row-level ones as ``[B]`` tensors, through
+  TransferQueue's key-value API (``kv_batch_put`` / ``kv_batch_get`` / ``kv_clear``). Released
+  rows are cleared from TransferQueue's controller and storage at once.
+* **Metadata: the catalog** (:mod:`lppo.replay._tq_catalog`), one named Ray actor per cluster:
+  live rows, lengths, valid-token counts, bytes, schema, column specs, claims, released ids
+  and the id counter. Each call is atomic across processes, so every process sees the same
+  rows and :meth:`allocate` hands out ids that are unique across all processes using the store
+  (one counter per partition). :meth:`meta` and :meth:`has` ask the catalog only (no tensor).
+* **Runtime** (:mod:`lppo.replay._tq_runtime`): the first use starts a local Ray bound to
+  ``127.0.0.1`` plus TransferQueue's controller and storage (or attaches to a running cluster
+  by ``address``); :meth:`close` (called by ``ReplayDataModule`` at the end of fit and on
+  failure) stops only what this process started.
+
+Semantics beyond :mod:`lppo.replay.base`, the same as :class:`~lppo.replay.MemoryReplayStore`
+(duplicate ids in ``put`` / ``write`` / ``claim`` / ``release`` raise ``ValueError``; empty calls
+change nothing; ``input_ids`` is ``int64`` rank 1, ``response_mask`` ``bool`` rank 1; ``clear``
+drops every claim and marks the ids released; values are copied on the way in and ``read``
+returns fresh tensors), and:
+
+* ``shared`` is ``True``. Pickling the store (to a Ray worker, a spawned rank) keeps its
+  partition and settings; the copy attaches to the same cluster on first use and never
+  drops the partition (only the original does, at :meth:`close`).
+* Every call that fails validation raises before changing anything, in every process's view.
+  A put becomes visible only after its tensors are in TransferQueue; if the transfer fails,
+  the reservation is undone. A write whose transfer fails may leave the written column
+  partly overwritten (the rows keep their previous bookkeeping).
+* ``nbytes`` is the bytes of the tensors put and written and still held (live rows only).
+* ``state_dict`` holds every live row's tensors (read back from TransferQueue), so a
+  checkpoint taken inside an iteration is complete; ``load_state_dict`` replaces the
+  partition's rows.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from operator import index
+from typing import Any
+
+import torch
+
+from lppo.ray_runtime import RaySettings, ray_module
+from lppo.replay._checks import FIXED_SPECS, as_ids, as_lists, check_tensor, decode_dtype
+from lppo.replay._segments import count_true
+from lppo.replay._tq_runtime import TQSettings, acquire_tq, release_tq, tq_module
+from lppo.replay._tq_state import decode_state
+from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
+
+__all__ = ["TransferQueueReplayStore"]
+
+_FORMAT = "lppo.replay.transfer_queue/1"
+_ERRORS: dict[str, type[Exception]] = {
+    "KeyError": KeyError,
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+}
+
+
+def _spec_of(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.dtype), t.dim()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _field(tensors: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """One column of a batch as TransferQueue takes it: ``[B]`` or jagged ``[B, j, ...]``."""
+    if rank == 0:
+        return torch.stack([t.detach().cpu() for t in tensors])
+    return torch.nested.as_nested_tensor([t.detach().cpu() for t in tensors], layout=torch.jagged)
+
+
+def _rows_of(value: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """Split a field TransferQueue returned back into one tensor per row."""
+    if value.is_nested:
+        return [t.contiguous() for t in value.unbind()]
+    if rank == 0:
+        return list(value.reshape(-1).unbind(0))
+    return list(value.unbind(0))
+
+
+class TransferQueueReplayStore:
+    """:class:`~lppo.replay.base.ReplayStore` over TransferQueue, shared across processes.
+
+    Nothing starts at construction; the first call starts (or attaches to) Ray and
+    TransferQueue. Choose it in YAML with
+    ``data.store: {class_path: lppo.replay.TransferQueueReplayStore}``.
+
+    Args:
+        partition: TransferQueue partition (and catalog entry) holding this store's rows;
+            ``None``: a fresh unique name. Processes that must see the same rows share one
+            store object (pickled) or the same name.
+        address: Ray cluster to attach to (``"auto"`` or ``"HOST:PORT"``); ``None`` starts a
+            local Ray bound to ``127.0.0.1``.
+        num_cpus: logical CPUs of a local Ray (TransferQueue's controller and each storage
+            unit reserve one; logical, so 4 is fine on 2 cores).
+        num_storage_units: TransferQueue SimpleStorage units to start.
+        object_store_memory: bytes of a local Ray's object store (rows do not pass through it).
+        temp_dir: session directory root of a local Ray (``None``: Ray's default).
+    """
+
+    def __init__(
+        self,
+        partition: str | None = None,
+        address: str | None = None,
+        num_cpus: int = 4,
+        num_storage_units: int = 1,
+        object_store_memory: int = 256 * 2**20,
+        temp_dir: str | None = None,
+    ) -> None:
+        if partition is not None and not (isinstance(partition, str) and partition):
+            raise ValueError(f"partition={partition!r} must be a non-empty string or null")
+        self.partition = partition or f"lppo-{uuid.uuid4().hex[:12]}"
+        self.settings = TQSettings(
+            RaySettings(address, num_cpus, object_store_memory, temp_dir), num_storage_units
+        )
+        self._catalog: Any = None
+        self._owner = True  # the original drops the partition at close; pickled copies don't
+
+    # ------------------------------------------------------------------ lifecycle
+    def __getstate__(self) -> dict[str, Any]:
+        return {"partition": self.partition, "settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.partition, self.settings = state["partition"], state["settings"]
+        self._catalog, self._owner = None, False
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run a catalog method for this partition; raise its error here."""
+        if self._catalog is None:
+            self._catalog = acquire_tq(self.settings)
+        ray = ray_module()
+        err, value = ray.get(getattr(self._catalog, method).remote(self.partition, *args))
+        if err is not None:
+            raise _ERRORS[err](value)
+        return value
+
+    def close(self) -> None:
+        """Drop this store's rows (the original store only) and release TransferQueue / Ray.
+
+        Stops what this process started (Ray, TransferQueue, the catalog) once nothing else in
+        the process holds them. Idempotent; the store reconnects if used again.
+        """
+        if self._catalog is None:
+            return
+        try:
+            if self._owner:
+                ids = ray_module().get(self._catalog.drop_partition.remote(self.partition))
+                self._clear_keys(ids)
+        finally:
+            self._catalog = None
+            release_tq()
+
+    def _clear_keys(self, ids: Sequence[int]) -> None:
+        if ids:
+            tq_module().kv_clear(keys=[str(i) for i in ids], partition_id=self.partition)
+
+    @property
+    def shared(self) -> bool:
+        """``True``: every process using this store (or its pickled copies) sees its rows."""
+        return True
+
+    def allocate(self, n: int) -> tuple[int, ...]:
+        """``n`` fresh row ids, unique across every process using this partition.
+
+        Raises:
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"allocate: n={n} must be >= 0")
+        return tuple(self._call("allocate", n)) if n else ()
+
+    # ------------------------------------------------------------------ put / write
+    @staticmethod
+    def _lengths(ids: list[int], cols: dict[str, list[torch.Tensor]]) -> list[int]:
+        """Row lengths from ``input_ids`` (checked: ``int64`` rank 1)."""
+        for i, t in zip(ids, cols[INPUT_IDS], strict=True):
+            check_tensor(
+                "put", i, INPUT_IDS, t, FIXED_SPECS[INPUT_IDS], t.shape[0] if t.dim() else 0
+            )
+        return [int(t.shape[0]) for t in cols[INPUT_IDS]]
+
+    @staticmethod
+    def _specs(
+        op: str,
+        ids: list[int],
+        cols: dict[str, list[torch.Tensor]],
+        lengths: list[int] | None,
+        known: Mapping[str, tuple[torch.dtype, int]],
+    ) -> dict[str, tuple[str, int]]:
+        """Check every column's tensors against one spec and their first dims.
+
+        The spec is ``known``'s, else the fixed one, else the first tensor's; first dims are
+        checked against ``lengths`` (``None``: the rows' lengths are not known here).
+        """
+        specs = {}
+        for name, tensors in cols.items():
+            spec = known.get(name) or FIXED_SPECS.get(name) or (tensors[0].dtype, tensors[0].dim())
+            for j, (i, t) in enumerate(zip(ids, tensors, strict=True)):
+                dim = t.shape[0] if t.dim() else 0
+                check_tensor(op, i, name, t, spec, dim if lengths is None else lengths[j])
+            specs[name] = (str(spec[0]), spec[1])
+        return specs
+
+    def put(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Create rows ``ids``; ``columns[name][i]`` is row ``ids[i]``'s tensor for ``name``.
+
+        Raises:
+            ValueError: lengths disagree with ``input_ids``, duplicate ids in the call, missing
+                ``input_ids``, or column lists of the wrong length.
+            KeyError: an id is live already, or the columns differ from the row schema.
+            TypeError: a column's dtype or rank differs from the one it was created with.
+        """
+        id_list = as_ids("put", ids)
+        if INPUT_IDS not in columns:
+            raise ValueError(f"put: missing column {INPUT_IDS!r}; got {sorted(columns)}")
+        cols = as_lists("put", columns, len(id_list))
+        try:
+            lengths = self._lengths(id_list, cols)
+            specs = self._specs("put", id_list, cols, lengths, {})
+        except (TypeError, ValueError):
+            if id_list:  # raise what every backend raises: schema / live ids first, then the
+                self._call("check_rows", id_list, list(cols))  # first column in error
+                self._specs("put", id_list, cols, self._lengths(id_list, cols), self.columns())
+            raise
+        if not id_list:
+            return
+        valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else [0] * len(id_list)
+        nbytes = {n: [_nbytes(t) for t in ts] for n, ts in cols.items()}
+        batch = self._batch(cols, specs)
+        self._call("reserve_put", id_list, specs, lengths, valid, nbytes)
+        try:
+            self._transfer(id_list, batch)
+        except BaseException:
+            self._call("abort_put", id_list)
+            raise
+        self._call("commit_put", id_list)
+
+    def _batch(self, cols: dict[str, list[torch.Tensor]], specs: dict[str, tuple[str, int]]) -> Any:
+        from tensordict import TensorDict
+
+        n = len(next(iter(cols.values())))
+        fields = {name: _field(ts, specs[name][1]) for name, ts in cols.items()}
+        return TensorDict(fields, batch_size=[n])
+
+    def _transfer(self, ids: list[int], batch: Any) -> None:
+        tq_module().kv_batch_put(
+            keys=[str(i) for i in ids], partition_id=self.partition, fields=batch
+        )
+
+    def write(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Add or overwrite columns of existing rows (any subset of live rows).
+
+        Raises:
+            KeyError: an id is unknown or released, or ``input_ids`` is written.
+            ValueError: a token-level tensor's length differs from its row's length, a column
+                list has the wrong length, or ``ids`` repeats an id.
+            TypeError: dtype or rank differs from the column's.
+        """
+        id_list = as_ids("write", ids)
+        if INPUT_IDS in columns:
+            raise KeyError(f"write: column {INPUT_IDS!r} is fixed at put and cannot be written")
+        cols = as_lists("write", columns, len(id_list))
+        if not id_list:
+            return
+        # Each column must agree with itself first (dims are checked against rows remotely).
+        dims = {n: [int(t.shape[0]) if t.dim() else 0 for t in ts] for n, ts in cols.items()}
+        try:
+            specs = self._specs("write", id_list, cols, None, {})
+        except (TypeError, ValueError):
+            self._call("check_write", id_list, {}, {})  # unknown ids come first
+            self._specs("write", id_list, cols, None, self.columns())
+            raise
+        self._call("check_write", id_list, specs, dims)
+        valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else None
+        nbytes = {n: [_nbytes(t) for t in ts] for n, ts in cols.items()}
+        self._transfer(id_list, self._batch(cols, specs))
+        self._call("commit_write", id_list, specs, valid, nbytes)
+
+    # ------------------------------------------------------------------ read side
+    def read(self, ids: Sequence[int], names: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+        """Return ``name -> [tensor of ids[0], tensor of ids[1], ...]`` in the order asked.
+
+        Raises:
+            KeyError: an id is unknown or released, or a row lacks a column asked for.
+        """
+        id_list, names = [index(i) for i in ids], list(names)
+        ranks = self._call("check_read", id_list, names)
+        if not id_list or not names:
+            return {name: [] for name in names}
+        return self._fetch(id_list, names, ranks)
+
+    def _fetch(
+        self, id_list: list[int], names: list[str], ranks: Mapping[str, int]
+    ) -> dict[str, list[torch.Tensor]]:
+        unique = list(dict.fromkeys(id_list))
+        got = tq_module().kv_batch_get(
+            keys=[str(i) for i in unique], partition_id=self.partition, select_fields=names
+        )
+        pos = {i: k for k, i in enumerate(unique)}
+        out = {}
+        for name in names:
+            rows = _rows_of(got[name], ranks[name])
+            seen: set[int] = set()
+            col = []
+            for i in id_list:  # a repeated id gets its own copy
+                t = rows[pos[i]]
+                col.append(t.clone() if i in seen else t)
+                seen.add(i)
+            out[name] = col
+        return out
+
+    def meta(self, ids: Sequence[int] | None = None) -> RowMeta:
+        """Lengths and valid-token counts of ``ids`` (all live rows, ascending, when ``None``).
+
+        Raises:
+            KeyError: an id is unknown or released.
+        """
+        id_list = None if ids is None else [index(i) for i in ids]
+        got, lengths, valid = self._call("meta", id_list)
+        return RowMeta(ids=tuple(got), lengths=tuple(lengths), valid_tokens=tuple(valid))
+
+    def columns(self) -> dict[str, tuple[torch.dtype, int]]:
+        """Known columns, ``name -> (dtype, rank)``; rank 0 is a row-level column."""
+        specs = self._call("summary")[2]
+        return {n: (decode_dtype(d), int(r)) for n, (d, r) in specs.items()}
+
+    def has(self, name: str, ids: Sequence[int]) -> bool:
+        """Whether every row of ``ids`` is live and holds column ``name``."""
+        return bool(self._call("has", name, [index(i) for i in ids]))
+
+    def claim(self, ids: Sequence[int], owner: str) -> None:
+        """Retain live rows ``ids`` for ``owner`` until they are released.
+
+        Raises:
+            KeyError: an id is unknown or released.
+            RuntimeError: a row is claimed already (by any owner, in any process).
+            ValueError: ``ids`` repeats an id.
+        """
+        self._call("claim", as_ids("claim", ids), str(owner))
+
+    def claimed(self) -> dict[int, str]:
+        """Live claimed rows, ``id -> owner``."""
+        return {int(i): o for i, o in self._call("claimed").items()}
+
+    def release(self, ids: Sequence[int]) -> None:
+        """Delete rows ``ids`` from the catalog and from TransferQueue (exactly once).
+
+        Raises:
+            KeyError: an id is unknown or released.
+            ValueError: ``ids`` repeats an id.
+        """
+        id_list = as_ids("release", ids)
+        self._call("release", id_list)
+        self._clear_keys(id_list)
+
+    def clear(self) -> None:
+        """Delete every live row (schema and column specs kept; the ids become released)."""
+        self._clear_keys(self._call("clear"))
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors put and written that live rows still hold."""
+        return int(self._call("summary")[1])
+
+    def __len__(self) -> int:
+        """Return the number of live rows."""
+        return int(self._call("summary")[0])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Every live row with its tensors, the schema, claims, released ids and id counter.
+
+        Holds only tensors, dicts, lists, str, int and ``None`` (dtypes as strings), so it
+        loads with ``torch.load(weights_only=True)``. Column values are concatenated along
+        the first dimension in ``rows`` order (row-level columns stacked).
+        """
+        st = self._call("state")
+        lengths = dict(zip(st["ids"], st["lengths"], strict=True))
+        data = {}
+        for name, rows in st["held"].items():
+            if not rows:
+                continue
+            rank = st["columns"][name][1]
+            values = self._fetch(rows, [name], {name: rank})[name]
+            data[name] = {
+                "rows": rows,
+                "values": torch.stack(values) if rank == 0 else torch.cat(values),
+            }
+            assert rank == 0 or sum(lengths[i] for i in rows) == data[name]["values"].shape[0]
+        return {
+            "format": _FORMAT,
+            "schema": st["schema"],
+            "columns": st["columns"],
+            "ids": st["ids"],
+            "lengths": torch.tensor(st["lengths"], dtype=torch.int64),
+            "data": data,
+            "claims": st["claims"],
+            "released": st["released"],
+            "next_id": st["next_id"],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the store's rows with ``state`` (from :meth:`state_dict`).
+
+        Raises:
+            ValueError: ``state`` is not a consistent state of this backend (store unchanged).
+        """
+        meta, batches = decode_state(state, _FORMAT)
+        self._clear_keys(self._call("clear"))
+        for ids, cols in batches:
+            specs = {n: meta["columns"][n] for n in cols}
+            self._transfer(ids, self._batch(cols, specs))
+        rows = meta.pop("rows")
+        self._call("load", meta, rows)

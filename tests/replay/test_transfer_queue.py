@@ -1,0 +1,245 @@
+"""TransferQueueReplayStore beyond the conformance suite, against real Ray + TransferQueue.
+
+Row retention across critic and actor epochs, exactly-once release and cleanup when an
+iteration is killed mid-phase, each checked in TransferQueue's OWN state (its controller's
+partition metadata) and in the catalog; rows shared with another process; lifecycle (loopback,
+what is stopped, stray processes) and configuration errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+import torch
+from _builders import random_rows, tiny_backbone, tiny_lm
+from _tq import listening_addresses, tq_store
+
+from lppo.config import PPOConfig
+from lppo.controller import IterationError, PPOController
+from lppo.data import ReplayDataModule
+from lppo.estimators import GAE
+from lppo.hooks import PPOCallback
+from lppo.modules import ActorModule, CriticModule
+from lppo.replay import TransferQueueReplayStore
+from lppo.replay._tq_catalog import CATALOG_NAME, CATALOG_NAMESPACE
+from lppo.replay._tq_runtime import tq_controller
+from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, Rollout
+
+pytestmark = pytest.mark.distributed
+HERE = Path(__file__).resolve().parent
+
+
+def tq_keys(store: TransferQueueReplayStore) -> set[str]:
+    """The keys TransferQueue's controller holds for the store's partition (its own state)."""
+    snap = ray.get(tq_controller().get_partition_snapshot.remote(store.partition))
+    if snap is None:
+        return set()
+    assert len(snap.global_indexes) == len(snap.keys_mapping)
+    return set(snap.keys_mapping)
+
+
+def catalog_rows(store: TransferQueueReplayStore) -> int:
+    catalog = ray.get_actor(CATALOG_NAME, namespace=CATALOG_NAMESPACE)
+    return ray.get(catalog.partitions.remote()).get(store.partition, 0)
+
+
+def rollout(n: int, seed: int) -> Rollout:
+    cols = random_rows(n, seed)
+    return Rollout(
+        input_ids=cols[INPUT_IDS],
+        response_mask=cols[RESPONSE_MASK],
+        gen_logprobs=[torch.zeros(len(t), dtype=torch.float64) for t in cols[INPUT_IDS]],
+        reward=torch.stack(cols[REWARD]),
+        prompt_index=torch.arange(n),
+    )
+
+
+def controller(store, callbacks=(), actor_cls=ActorModule) -> PPOController:
+    data = ReplayDataModule(max_tokens_per_chunk=30, store=store)
+    config = PPOConfig(critic_epochs=2, actor_epochs=2, actor_minibatches=2)
+    actor, critic = actor_cls(tiny_lm(), lr=1e-3), CriticModule(tiny_backbone(), lr=1e-3)
+    return PPOController(actor, critic, data, config, callbacks=callbacks, estimator=GAE())
+
+
+class Probe(PPOCallback):
+    """Records, at every phase epoch, the rows TransferQueue and the store hold."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int, int, int]] = []
+
+    def on_phase_epoch_start(self, ctx) -> None:
+        store = ctx.store
+        claimed = sum(1 for i in ctx.row_ids if i in store.claimed())
+        self.seen.append((ctx.phase, ctx.epoch, len(tq_keys(store)), len(store), claimed))
+
+
+def test_rows_retained_through_every_epoch_then_released_in_transfer_queue() -> None:
+    store, probe = tq_store(), Probe()
+    try:
+        result = controller(store, [probe]).run_iteration(rollout(6, 0), iteration=0)
+        assert [(p, e) for p, e, *_ in probe.seen] == [
+            ("critic", 0),
+            ("critic", 1),
+            ("actor", 0),
+            ("actor", 1),
+        ]
+        assert all(keys == live == claimed == 6 for *_, keys, live, claimed in probe.seen)
+        assert tq_keys(store) == set() and len(store) == 0 and catalog_rows(store) == 0
+        assert len(result.phase_steps("actor")) == 4
+        # Released exactly once: the ids are gone for good.
+        with pytest.raises(KeyError, match="released"):
+            store.release([0])
+    finally:
+        store.close()
+
+
+class Boom(PPOCallback):
+    def __init__(self, phase: str, epoch: int) -> None:
+        self.phase, self.epoch = phase, epoch
+
+    def on_chunk_end(self, ctx, result) -> None:
+        if ctx.phase == self.phase and ctx.epoch == self.epoch:
+            raise ValueError("boom")
+
+
+class ExplodingActor(ActorModule):
+    """Raises inside the second chunk the actor trains (a chunk, not a callback, fails)."""
+
+    chunks = 0
+
+    def chunk_loss(self, chunk, sums):
+        ExplodingActor.chunks += 1
+        if ExplodingActor.chunks == 2:
+            raise RuntimeError("chunk exploded")
+        return super().chunk_loss(chunk, sums)
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "actor_cls", "where"),
+    [
+        ([Boom("critic", 1)], ActorModule, r"phase critic, epoch 1, chunk 0: ValueError: boom"),
+        ([Boom("actor", 1)], ActorModule, r"phase actor, epoch 1, chunk 0: ValueError: boom"),
+        (
+            [],
+            ExplodingActor,
+            r"phase actor, epoch 0, minibatch 1, chunk 0: RuntimeError: chunk exploded",
+        ),
+    ],
+    ids=["callback-critic", "callback-actor", "chunk-actor"],
+)
+def test_iteration_killed_mid_phase_leaves_nothing_in_transfer_queue(
+    callbacks, actor_cls, where
+) -> None:
+    ExplodingActor.chunks = 0
+    store = tq_store()
+    try:
+        ctl = controller(store, callbacks, actor_cls)
+        with pytest.raises(IterationError, match=where):
+            ctl.run_iteration(rollout(6, 1), iteration=3)
+        assert tq_keys(store) == set()
+        assert catalog_rows(store) == 0 and store.claimed() == {} and store.nbytes() == 0
+        # The store and a fresh controller go on; rows of the next iteration get new ids.
+        result = controller(store).run_iteration(rollout(4, 2), iteration=4)
+        assert len(result.phase_steps("critic")) == 2
+        assert tq_keys(store) == set()
+        assert min(store.allocate(1)) >= 10
+    finally:
+        store.close()
+
+
+@ray.remote(num_cpus=1)
+def _worker_puts(store: TransferQueueReplayStore, n: int) -> tuple[list[int], list[int], int]:
+    """In another process: allocate and put rows, and read the driver's rows."""
+    try:
+        ids = list(store.allocate(n))
+        store.put(ids, {INPUT_IDS: [torch.arange(5 + i) for i in range(n)]})
+        theirs = [i for i in store.meta().ids if i not in ids]
+        seen = [len(t) for t in store.read(theirs, [INPUT_IDS])[INPUT_IDS]]
+        return ids, seen, os.getpid()
+    finally:
+        store.close()
+
+
+def test_rows_are_shared_with_another_process() -> None:
+    store = tq_store()
+    try:
+        mine = list(store.allocate(2))
+        store.put(mine, {INPUT_IDS: [torch.arange(3), torch.arange(2)]})
+        assert store.shared
+        theirs, lengths_seen, pid = ray.get(_worker_puts.remote(store, 3))
+        assert pid != os.getpid()
+        assert not set(theirs) & set(mine)  # ids unique across processes
+        assert sorted(lengths_seen) == [2, 3]  # the worker read the driver's rows
+        assert set(store.meta().ids) == {*mine, *theirs}
+        got = store.read(theirs, [INPUT_IDS])[INPUT_IDS]
+        assert [len(t) for t in got] == [5, 6, 7]
+        assert tq_keys(store) == {str(i) for i in (*mine, *theirs)}
+    finally:
+        store.close()
+    assert tq_keys(store) == set()  # the original dropped its partition at close
+
+
+def test_services_bind_to_loopback() -> None:
+    tq_store()  # the session's TransferQueue is up
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    info = ray.get(tq_controller().get_zmq_server_info.remote())
+    assert info.ip == "127.0.0.1"
+    assert listening_addresses() == {"127.0.0.1"}  # GCS, raylet, agents, controller, storage
+
+
+def test_configuration_errors_name_the_key() -> None:
+    with pytest.raises(ValueError, match=r"num_storage_units=4 needs 5 Ray CPUs.*num_cpus=4"):
+        TransferQueueReplayStore(num_storage_units=4)
+    with pytest.raises(ValueError, match="num_cpus=0"):
+        TransferQueueReplayStore(num_cpus=0)
+    with pytest.raises(ValueError, match="partition=''"):
+        TransferQueueReplayStore(partition="")
+    with pytest.raises(ValueError, match="object_store_memory"):
+        TransferQueueReplayStore(object_store_memory=1)
+
+
+def test_other_settings_in_the_same_process_are_refused() -> None:
+    tq_store()
+    store = TransferQueueReplayStore(num_cpus=6)
+    with pytest.raises(ValueError, match="already"):
+        len(store)
+
+
+def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lppo.replay import _tq_runtime
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", None)
+    with pytest.raises(ImportError, match=r"\[tq\]"):
+        _tq_runtime.tq_module()
+
+
+def test_failed_fit_stops_everything_it_started_and_leaves_no_process(tmp_path: Path) -> None:
+    """A fit with its own Ray + TransferQueue fails mid-actor-phase; then nothing is left."""
+    temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")  # Ray's socket paths are short
+    out = subprocess.run(
+        [sys.executable, str(HERE / "tq_lifecycle_worker.py"), temp_dir, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["error"].startswith("iteration 0, phase actor")
+    names = set(report["during"].values())
+    assert {"gcs_server", "raylet", "ray::TransferQueueController"} <= names, names
+    assert {"ray::SimpleStorageUnit", "ray::Catalog"} <= names, names
+    assert report["listening"] == ["127.0.0.1"]
+    assert report["after"] == {} and not report["ray_initialized"]
+    # And none of them outlived the fit's process.
+    alive = [p for p in map(int, report["during"]) if psutil.pid_exists(p)]
+    assert [psutil.Process(p).status() for p in alive] in ([], ["zombie"] * len(alive))
+    shutil.rmtree(temp_dir, ignore_errors=True)
