@@ -213,7 +213,7 @@ class Catalog:
 
     # ------------------------------------------------------------------ read side
     def check_read(self, partition: str, ids: list[int], names: list[str]) -> Reply:
-        """Validate a read; returns ``column -> rank``."""
+        """Validate a read."""
         p = self._p(partition)
         bad = self._not_live(p, "read", ids)
         if bad is not None:
@@ -222,7 +222,7 @@ class Catalog:
             lacking = [i for i in ids if name not in p.rows[i].nbytes]
             if lacking:
                 return "KeyError", f"read: rows {lacking} lack column {name!r}"
-        return _ok({n: p.columns.get(n, ("", 0))[1] for n in names})
+        return _ok()
 
     def meta(self, partition: str, ids: list[int] | None) -> Reply:
         p = self._p(partition)

@@ -79,13 +79,9 @@ def _field(tensors: list[torch.Tensor], rank: int) -> torch.Tensor:
     return torch.nested.as_nested_tensor([t.detach().cpu() for t in tensors], layout=torch.jagged)
 
 
-def _rows_of(value: torch.Tensor, rank: int) -> list[torch.Tensor]:
-    """Split a field TransferQueue returned back into one tensor per row."""
-    if value.is_nested:
-        return [t.contiguous() for t in value.unbind()]
-    if rank == 0:
-        return list(value.reshape(-1).unbind(0))
-    return list(value.unbind(0))
+def _rows_of(value: torch.Tensor) -> list[torch.Tensor]:
+    """Split a field TransferQueue returned (jagged ``[B, j, ...]`` or ``[B, ...]``) into rows."""
+    return list(value.unbind() if value.is_nested else value.unbind(0))
 
 
 class TransferQueueReplayStore:
@@ -134,15 +130,23 @@ class TransferQueueReplayStore:
         self.partition, self.settings = state["partition"], state["settings"]
         self._catalog, self._owner = None, False
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """Run a catalog method for this partition; raise its error here."""
+    def _submit(self, method: str, *args: Any) -> Any:
+        """Start a catalog method for this partition; returns its Ray object ref."""
         if self._catalog is None:
             self._catalog = acquire_tq(self.settings)
-        ray = ray_module()
-        err, value = ray.get(getattr(self._catalog, method).remote(self.partition, *args))
+        return getattr(self._catalog, method).remote(self.partition, *args)
+
+    @staticmethod
+    def _result(ref: Any) -> Any:
+        """Wait for a catalog call; raise its error here."""
+        err, value = ray_module().get(ref)
         if err is not None:
             raise _ERRORS[err](value)
         return value
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run a catalog method for this partition; raise its error here."""
+        return self._result(self._submit(method, *args))
 
     def close(self) -> None:
         """Drop this store's rows (the original store only) and release TransferQueue / Ray.
@@ -294,14 +298,20 @@ class TransferQueueReplayStore:
             KeyError: an id is unknown or released, or a row lacks a column asked for.
         """
         id_list, names = [index(i) for i in ids], list(names)
-        ranks = self._call("check_read", id_list, names)
+        check = self._submit("check_read", id_list, names)
         if not id_list or not names:
+            self._result(check)
             return {name: [] for name in names}
-        return self._fetch(id_list, names, ranks)
+        # Reads change nothing: fetch while the catalog checks, and report its error first.
+        try:
+            rows = self._fetch(id_list, names)
+        except Exception:
+            self._result(check)
+            raise
+        self._result(check)
+        return rows
 
-    def _fetch(
-        self, id_list: list[int], names: list[str], ranks: Mapping[str, int]
-    ) -> dict[str, list[torch.Tensor]]:
+    def _fetch(self, id_list: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
         unique = list(dict.fromkeys(id_list))
         got = tq_module().kv_batch_get(
             keys=[str(i) for i in unique], partition_id=self.partition, select_fields=names
@@ -309,7 +319,7 @@ class TransferQueueReplayStore:
         pos = {i: k for k, i in enumerate(unique)}
         out = {}
         for name in names:
-            rows = _rows_of(got[name], ranks[name])
+            rows = _rows_of(got[name])
             seen: set[int] = set()
             col = []
             for i in id_list:  # a repeated id gets its own copy
@@ -390,7 +400,7 @@ class TransferQueueReplayStore:
             if not rows:
                 continue
             rank = st["columns"][name][1]
-            values = self._fetch(rows, [name], {name: rank})[name]
+            values = self._fetch(rows, [name])[name]
             data[name] = {
                 "rows": rows,
                 "values": torch.stack(values) if rank == 0 else torch.cat(values),
