@@ -106,7 +106,9 @@ def export_policy(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
         raise _not_built("actor model")
     if system.tokenizer is None:
         raise _not_built("tokenizer")
-    model = _pretrained(system.actor.model, "actor model")
+    # policy(): the Hugging Face model the rollout engine samples from (for a megatron actor,
+    # its weights converted back to Hugging Face names)
+    model = _pretrained(system.actor.policy(), "actor model")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -1,10 +1,11 @@
 """The parallel context: the ONLY module of lppo that calls collectives.
 
 Every all-reduce, all-gather and broadcast of lppo (gradient sums, step diagnostics, whitening
-moments, the row-layout gather, the initial module-state broadcast) goes through a
-:class:`ProcessGroup` of a :class:`ParallelContext`. The context names the data-parallel group
-today; a tensor-parallel group (megatron-core) sits beside it as another field, so algorithms
-that reduce over data-parallel ranks never learn about tensor parallelism.
+moments, the row-layout gather, the initial module-state broadcast, the gathering of
+tensor-parallel shards) goes through a :class:`ProcessGroup` of a :class:`ParallelContext`. The
+context names the data-parallel group and, beside it, the tensor-parallel group (megatron-core,
+:func:`megatron_context`), so algorithms that reduce over data-parallel ranks never learn about
+tensor parallelism. Collectives *inside* megatron-core's layers are megatron's own.
 ``tests/test_parallel.py`` scans the package and fails if collectives are called anywhere else.
 """
 
@@ -69,6 +70,26 @@ class ProcessGroup:
         dist.all_reduce(moved, op=_OPS[op], group=self.handle)
         return moved.to(tensor.device)
 
+    def sum_partials(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's partial ``tensor``, differentiable.
+
+        For a sum over a dimension split across the group (e.g. a vocabulary split over
+        tensor-parallel ranks) whose result every rank then uses identically: the gradient of
+        each rank's part is the incoming gradient unchanged.
+        """
+        if self.size == 1:
+            return tensor
+        return _SumPartials.apply(tensor, self)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
+        if self.size == 1:
+            return [tensor]
+        moved = tensor.contiguous().to(self.device)
+        out = [torch.empty_like(moved) for _ in range(self.size)]
+        dist.all_gather(out, moved, group=self.handle)
+        return [t.to(tensor.device) for t in out]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order."""
         if self.size == 1:
@@ -117,6 +138,19 @@ class ProcessGroup:
         return dist.get_global_rank(self.handle, rank)
 
 
+class _SumPartials(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward: see :meth:`ProcessGroup.sum_partials`."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        out = tensor.detach().clone()
+        return group.all_reduce(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 #: The single-process group: no communication.
 SINGLE = ProcessGroup()
 
@@ -128,9 +162,12 @@ class ParallelContext:
     Attributes:
         data: the data-parallel group (ranks that train different chunks of every step and
             sum their gradients, diagnostics and statistics).
+        tensor: the tensor-parallel group (ranks holding shards of the same layers and
+            seeing the same chunks); single unless a megatron-core model splits its layers.
     """
 
     data: ProcessGroup = SINGLE
+    tensor: ProcessGroup = SINGLE
 
     @classmethod
     def from_default_group(cls) -> ParallelContext:
@@ -138,3 +175,51 @@ class ParallelContext:
         if not default_group_ready():
             return cls()
         return cls(data=ProcessGroup(size=dist.get_world_size(), rank=dist.get_rank()))
+
+
+def megatron_context(tensor_parallel_size: int) -> ParallelContext:
+    """Initialize megatron-core's model-parallel state (once) and name its groups.
+
+    megatron-core needs a default process group even in one process: without one, a
+    single-rank group is created (NCCL when CUDA is available, gloo otherwise). Ranks are
+    split into data-parallel replicas of ``tensor_parallel_size`` consecutive ranks each.
+
+    Args:
+        tensor_parallel_size: ranks each layer is split over; must divide the world size.
+
+    Returns:
+        The data-parallel and tensor-parallel groups of this rank.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``tensor_parallel_size``, or
+            megatron-core was initialized before with another size.
+    """
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        import tempfile
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        store = tempfile.NamedTemporaryFile(prefix="lppo-megatron-", delete=False)
+        dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if tensor_parallel_size < 1 or world % tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} must be >= 1 and divide the world "
+            f"size {world}; set it to a divisor of the number of processes."
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    have = parallel_state.get_tensor_model_parallel_world_size()
+    if have != tensor_parallel_size:
+        raise ValueError(
+            f"megatron-core is already initialized with tensor parallelism {have}; every "
+            f"megatron module of a run needs the same tensor_parallel_size (got "
+            f"{tensor_parallel_size})."
+        )
+    tp = parallel_state.get_tensor_model_parallel_group()
+    dp = parallel_state.get_data_parallel_group()
+    return ParallelContext(
+        data=ProcessGroup(size=dist.get_world_size(dp), rank=dist.get_rank(dp), handle=dp),
+        tensor=ProcessGroup(size=dist.get_world_size(tp), rank=dist.get_rank(tp), handle=tp),
+    )

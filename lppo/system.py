@@ -158,7 +158,7 @@ class PPOSystem(LightningModule):
             trainer=trainer,
             reward_model=self.reward_model,
         )
-        self.engine.setup(self.actor.model, tok, r)
+        self.engine.setup(self.actor.policy(), tok, r)
         self.rollout_source = RolloutSource(
             self.task, self.engine, self.actor, r, seed=self.seed, group=parallel.data
         )

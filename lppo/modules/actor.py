@@ -107,6 +107,27 @@ class ActorModule(PPOModule):
         out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
         return out.logits / self.temperature
 
+    def token_logprobs(
+        self, chunk: Chunk, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities of the chunk's tokens and, optionally, the policy's entropy.
+
+        Returns:
+            ``(logprobs, entropy)``, both ``float[B, T]`` with 0 at position 0: ``logprobs[t] =
+            log p(input_ids[t] | input_ids[:t])`` and ``entropy[t]`` that of the distribution
+            predicting token ``t`` (``None`` unless ``with_entropy``).
+        """
+        logprobs, logp = shifted_logprobs(self.logits(chunk), chunk.input_ids)
+        if not with_entropy:
+            return logprobs, None
+        return logprobs, torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
+
+    def policy(self) -> nn.Module:
+        """The Hugging Face causal LM holding the current weights, for the rollout engine."""
+        if self.model is None:
+            raise RuntimeError("actor model not built: call configure_model() first.")
+        return self.model
+
     @torch.no_grad()
     def score(self, chunk: Chunk) -> torch.Tensor:
         """Log-probabilities of the chunk's tokens, ``float32[B, T]`` (0 off-response)."""
@@ -114,7 +135,7 @@ class ActorModule(PPOModule):
         self.eval()
         try:
             chunk = chunk.to(self.device)
-            logprobs, _ = shifted_logprobs(self.logits(chunk), chunk.input_ids)
+            logprobs, _ = self.token_logprobs(chunk)
         finally:
             self.train(was_training)
         return torch.where(chunk.response_mask, logprobs, torch.zeros_like(logprobs))
@@ -123,7 +144,8 @@ class ActorModule(PPOModule):
         """Clipped policy loss minus the entropy bonus, per token; records diagnostics."""
         if chunk.old_logprobs is None or chunk.advantages is None:
             raise ValueError("actor chunks need old_logprobs and advantages columns.")
-        logprobs, logp = shifted_logprobs(self.logits(chunk), chunk.input_ids)
+        logprobs, entropy = self.token_logprobs(chunk, with_entropy=True)
+        assert entropy is not None
         terms = policy_loss(
             logprobs,
             chunk.old_logprobs.to(logprobs.dtype),
@@ -133,7 +155,6 @@ class ActorModule(PPOModule):
             dual_clip=self.dual_clip,
         )
         mask = chunk.response_mask
-        entropy = torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
         loss = terms.loss
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy

@@ -238,25 +238,10 @@ class PPOModule(nn.Module):
                 f"({self._chunks_skipped} skipped); call abort() instead."
             )
         assert self.optimizer is not None
-        params = [p for p in self.trainable_parameters()]
-        self._sync_gradients(params)
         self._sums.all_reduce(self.parallel.data)
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else 0.0
-        stepped = math.isfinite(grad_norm)
-        self.on_before_step(grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
+        grad_norm, stepped = self._apply_gradients()
         if stepped:
-            if self.max_grad_norm is not None:
-                # The clip coefficient in the grads' precision (at least float32): a default
-                # float32 norm would round the coefficient of float64 gradients to ~1e-7.
-                norm_dtype = functools.reduce(
-                    torch.promote_types, (g.dtype for g in grads), torch.float32
-                )
-                torch.nn.utils.clip_grads_with_norm_(
-                    params, self.max_grad_norm, torch.tensor(grad_norm, dtype=norm_dtype)
-                )
-            self.optimizer.step()
             self.weights_version += 1
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -303,6 +288,33 @@ class PPOModule(nn.Module):
     def _zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
+
+    def _apply_gradients(self) -> tuple[float, bool]:
+        """Sum gradients over ranks, call :meth:`on_before_step`, clip, step the optimizer.
+
+        Returns:
+            ``(grad_norm, stepped)``: the total norm before clipping, and whether a step was
+            taken (not when the norm is non-finite: parameters and optimizer state untouched).
+        """
+        assert self.optimizer is not None
+        params = [p for p in self.trainable_parameters()]
+        self._sync_gradients(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else 0.0
+        stepped = math.isfinite(grad_norm)
+        self.on_before_step(grad_norm)
+        if stepped:
+            if self.max_grad_norm is not None:
+                # The clip coefficient in the grads' precision (at least float32): a default
+                # float32 norm would round the coefficient of float64 gradients to ~1e-7.
+                norm_dtype = functools.reduce(
+                    torch.promote_types, (g.dtype for g in grads), torch.float32
+                )
+                torch.nn.utils.clip_grads_with_norm_(
+                    params, self.max_grad_norm, torch.tensor(grad_norm, dtype=norm_dtype)
+                )
+            self.optimizer.step()
+        return grad_norm, stepped
 
     def _sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Sum gradients over data-parallel ranks (each rank holds its share of the step).

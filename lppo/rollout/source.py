@@ -126,7 +126,7 @@ class RolloutSource:
         version = self.actor.weights_version
         if self.engine.weights_version == version:
             return
-        self.engine.sync_from(self.actor.model, version)
+        self.engine.sync_from(self.actor.policy(), version)
         if self.engine.weights_version != version:
             raise StaleWeightsError(
                 f"{type(self.engine).__name__}.sync_from(policy, version={version}) left "

@@ -1,0 +1,80 @@
+"""``MegatronActor``: the PPO actor over a megatron-core GPTModel (tensor parallel)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lppo.modules.actor import ActorModule
+from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs
+from lppo.modules.megatron.model import MegatronGPT
+from lppo.modules.megatron.ops import vocab_parallel_logprobs
+from lppo.types import Chunk
+
+
+class MegatronActor(MegatronLifecycle, ActorModule):
+    """The actor of :class:`~lppo.modules.ActorModule` (same loss, same lifecycle) on megatron.
+
+    Log-probabilities and entropy come from the vocabulary-split logits
+    (:func:`~lppo.modules.megatron.ops.vocab_parallel_logprobs`). The rollout engine gets a
+    Hugging Face ``LlamaForCausalLM`` (:meth:`policy`), refreshed from the megatron weights
+    (gathered over the tensor-parallel group) whenever they changed since the last call.
+
+    Args:
+        model: the megatron model spec.
+        **kwargs: the :class:`~lppo.modules.ActorModule` arguments (``clip_low``,
+            ``clip_high``, ``dual_clip``, ``entropy_coef``, ``lr``, ``weight_decay``,
+            ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``, ``warmup_steps``,
+            ``optimizer``, ``lr_scheduler``).
+    """
+
+    def __init__(
+        self, model: MegatronGPT, **kwargs: Any
+    ) -> None:
+        if not isinstance(model, MegatronGPT):
+            raise TypeError(
+                f"MegatronActor.model must be a lppo.modules.megatron.MegatronGPT, got "
+                f"{type(model).__name__}."
+            )
+        super().__init__(model, **kwargs)  # type: ignore[arg-type]
+        self._rollout: list[nn.Module] = []  # a list: not a submodule, not in state_dict
+        self._rollout_version = -1
+
+    @property
+    def ddp(self) -> Any:
+        """The megatron DDP model (``None`` until ``configure_model``)."""
+        return self.model
+
+    def logits(self, chunk: Chunk) -> torch.Tensor:
+        """Temperature-scaled logits of this rank's vocabulary slice, ``float[B, T, V / tp]``."""
+        if self.model is None:
+            raise RuntimeError("actor model not built: call configure_model() first.")
+        return self.model(*causal_inputs(chunk)) / self.temperature
+
+    def token_logprobs(
+        self, chunk: Chunk, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """See :meth:`ActorModule.token_logprobs`; no rank forms the full-vocabulary softmax."""
+        logits = self.logits(chunk)[:, :-1]
+        lp, entropy = vocab_parallel_logprobs(
+            logits, chunk.input_ids[:, 1:], self.parallel.tensor, with_entropy
+        )
+        pad = torch.nn.functional.pad
+        return pad(lp, (1, 0)), None if entropy is None else pad(entropy, (1, 0))
+
+    def policy(self) -> nn.Module:
+        """A Hugging Face ``LlamaForCausalLM`` with the current weights (collective over TP).
+
+        Every tensor-parallel rank must call it (each gathers the shards).
+        """
+        if self.model is None:
+            raise RuntimeError("actor model not built: call configure_model() first.")
+        spec: MegatronGPT = self.spec  # type: ignore[assignment]
+        if not self._rollout:
+            self._rollout.append(spec.export_hf(self.model, self.parallel.tensor))
+        elif self._rollout_version != self.weights_version:
+            self._rollout[0].load_state_dict(spec.export_state(self.model, self.parallel.tensor))
+        self._rollout_version = self.weights_version
+        return self._rollout[0]

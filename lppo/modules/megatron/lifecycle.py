@@ -1,0 +1,204 @@
+"""The step lifecycle over megatron-core: its gradient buffer, its DDP reduce, its optimizer.
+
+Chunks accumulate into the DDP wrapper's contiguous gradient buffer (``param.main_grad``)
+under ``no_sync``; :meth:`MegatronLifecycle._apply_gradients` runs megatron's
+``finalize_model_grads`` exactly once per ``finish`` (the only data-parallel reduce of the step,
+a sum since lppo's chunk losses are exact shares of the step loss), then the global grad norm
+(tensor-parallel shards counted once), clipping and one optimizer step.
+
+Optimizer: with CUDA, megatron's distributed optimizer (``get_megatron_optimizer``, state
+sharded over data-parallel ranks, float32 main weights for bf16 / fp16). megatron-core's
+optimizers allocate on CUDA unconditionally, so on CPU the step is torch's AdamW over the same
+parameters, reading the gradient buffer (``param.grad`` is pointed at ``param.main_grad``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lppo.modules.lifecycle import ChunkResult
+from lppo.modules.megatron.convert import split_dim
+from lppo.parallel import ParallelContext
+from lppo.types import Chunk, StepPlan
+
+
+class MegatronOptimizerAdapter(torch.optim.Optimizer):
+    """megatron's optimizer seen as a ``torch.optim.Optimizer`` (Lightning accepts only those).
+
+    It owns no parameters or state of its own: ``step``, ``zero_grad``, ``param_groups``,
+    ``state`` and the state dicts are the wrapped optimizer's (``super().__init__`` is not
+    called, so torch's step hooks do not exist).
+
+    Args:
+        inner: the result of ``megatron.core.optimizer.get_megatron_optimizer``.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.defaults: dict[str, Any] = {}
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (``lr`` read and set there)."""
+        return self.inner.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The wrapped optimizer's state."""
+        return self.inner.state
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One megatron optimizer step (gradients already in the grad buffer, clipped)."""
+        return self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapped optimizer's gradients."""
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's state dict."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load into the wrapped optimizer."""
+        self.inner.load_state_dict(state_dict)
+
+
+def causal_inputs(chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTModel inputs of a right-padded chunk: ``(input_ids, position_ids, attention_mask)``.
+
+    Rows are right-padded, so a causal mask alone keeps padding out of every real position;
+    the mask is explicit (``bool[1, 1, T, T]``, ``True`` = masked) because megatron's default
+    causal mask is allocated on CUDA.
+    """
+    ids = chunk.input_ids
+    t = ids.shape[1]
+    positions = torch.arange(t, device=ids.device).expand_as(ids)
+    mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).triu(1)[None, None]
+    return ids, positions, mask
+
+
+class MegatronLifecycle:
+    """Mixin over :class:`~lppo.modules.PPOModule` for modules whose model is megatron's DDP.
+
+    Subclasses hold the wrapped model in :attr:`ddp` and the :class:`MegatronGPT` spec in
+    ``spec``; the spec's ``distributed_optimizer`` picks megatron's optimizer, which runs at
+    the default constant learning rate only (no warmup, factories or schedulers).
+    """
+
+    spec: Any
+
+    @property
+    def ddp(self) -> Any:
+        """The megatron ``DistributedDataParallel`` model (``None`` until ``configure_model``)."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------- parallel groups
+    @property
+    def parallel(self) -> ParallelContext:
+        """The controller's data-parallel group beside megatron's tensor-parallel group."""
+        ctx: ParallelContext = self.__dict__["_lppo_parallel"]
+        if self.spec.context.tensor is ctx.tensor:
+            return ctx
+        return ParallelContext(data=ctx.data, tensor=self.spec.context.tensor)
+
+    @parallel.setter
+    def parallel(self, ctx: ParallelContext) -> None:
+        self.__dict__["_lppo_parallel"] = ctx
+
+    def _use_megatron_optimizer(self) -> bool:
+        return bool(self.spec.distributed_optimizer)
+
+    # --------------------------------------------------------------- optimizer
+    def configure_optimizer(self) -> Any:
+        """Megatron's distributed optimizer on CUDA; torch AdamW over the buffer elsewhere."""
+        if self.optimizer is not None or not self._use_megatron_optimizer():
+            return super().configure_optimizer()  # type: ignore[misc]
+        if self._optimizer_factory or self._scheduler_factory or self.warmup_steps:
+            raise ValueError(
+                f"{self.role}: megatron's distributed optimizer runs at a constant lr; drop "
+                "optimizer / lr_scheduler / warmup_steps, or set the model's "
+                "distributed_optimizer: false."
+            )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        dtype = self.spec.hf.torch_dtype
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            adam_beta1=self.betas[0],
+            adam_beta2=self.betas[1],
+            adam_eps=self.eps,
+            clip_grad=0.0,  # lppo clips with the norm it checked for finiteness
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
+        self.optimizer = MegatronOptimizerAdapter(get_megatron_optimizer(config, [self.ddp]))
+        return self.optimizer
+
+    # --------------------------------------------------------------- lifecycle
+    def begin(self, plan: StepPlan) -> None:
+        """Open a step (see :meth:`PPOModule.begin`); data-parallel sizes must agree."""
+        mine, megatron = self.parallel.data.size, self.spec.context.data.size
+        if mine != megatron:
+            raise ValueError(
+                f"{self.role}: lppo trains over {mine} data-parallel ranks but megatron-core's "
+                f"data-parallel group has {megatron} (tensor_parallel_size="
+                f"{self.spec.tensor_parallel_size}); give both the same ranks."
+            )
+        super().begin(plan)  # type: ignore[misc]
+
+    def train_chunk(self, chunk: Chunk) -> ChunkResult:
+        """Accumulate one chunk into megatron's grad buffer, with no data-parallel sync."""
+        with self.ddp.no_sync():
+            return super().train_chunk(chunk)  # type: ignore[misc]
+
+    def _zero_grad(self) -> None:
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+        for p in self.parameters():  # type: ignore[attr-defined]
+            p.grad = None
+
+    def _apply_gradients(self) -> tuple[float, bool]:
+        from megatron.core.distributed import finalize_model_grads
+
+        # The step's one data-parallel reduce. An all-reduce even for the distributed
+        # optimizer (which would reduce-scatter): lppo checks and clips the norm of the whole
+        # gradient, so every rank needs all of it.
+        finalize_model_grads([self.ddp], force_all_reduce=True)
+        params = self.trainable_parameters()  # type: ignore[attr-defined]
+        grad_norm = self.global_grad_norm(params)
+        self.on_before_step(grad_norm)  # type: ignore[attr-defined]
+        stepped = math.isfinite(grad_norm)
+        if stepped:
+            if self.max_grad_norm is not None:  # as torch's clip_grads_with_norm_, in float64
+                coef = min(self.max_grad_norm / (grad_norm + 1e-6), 1.0)
+                for p in params:
+                    p.main_grad.mul_(coef)
+            if not self._use_megatron_optimizer():  # torch AdamW reads .grad
+                for p in params:
+                    p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p)
+            self.optimizer.step()
+        return grad_norm, stepped
+
+    def global_grad_norm(self, params: list[nn.Parameter]) -> float:
+        """L2 norm of the whole model's gradient: shards summed over the tensor group once.
+
+        Split tensors (:func:`~lppo.modules.megatron.convert.split_dim`) count on every rank;
+        replicated ones (norms, the value head) on tensor rank 0 only. (megatron's own
+        ``tensor_model_parallel`` flags are not set when its initialization is skipped.)
+        """
+        tensor = self.parallel.tensor
+        wanted = {id(p) for p in params}
+        total = torch.zeros((), dtype=torch.float64, device=params[0].device)
+        for name, p in self.ddp.module.named_parameters():
+            if id(p) in wanted and (tensor.rank == 0 or split_dim(name) is not None):
+                total += p.main_grad.to(torch.float64).square().sum()
+        return math.sqrt(float(tensor.all_reduce(total)))
