@@ -270,6 +270,7 @@ class MegatronGPT:
             hf = transformers.AutoModelForCausalLM.from_config(
                 cfg, attn_implementation=self.hf.attn_implementation
             )
-        hf = hf.to(self.hf.torch_dtype)
+        # beside the megatron weights (the rollout engine samples where training runs)
+        hf = hf.to(device=next(model.parameters()).device, dtype=self.hf.torch_dtype)
         hf.load_state_dict(self.export_state(model, group))
         return hf

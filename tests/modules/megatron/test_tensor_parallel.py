@@ -1,4 +1,5 @@
-"""Tensor parallelism 2 over gloo equals tensor parallelism 1 (actor and critic, two steps)."""
+"""Over 2 gloo ranks, tensor parallelism 2 and megatron data parallelism 2 each equal one
+process (actor and critic, two clipped steps each)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ RTOL = 1e-10
 pytestmark = pytest.mark.distributed
 
 
-def launch(world_size: int, tmp_path: Path) -> dict:
-    init_file = tmp_path / f"init{world_size}"
-    out = tmp_path / f"tp{world_size}.pt"
+def launch(world_size: int, tmp_path: Path, layout: str = "tp") -> dict:
+    init_file = tmp_path / f"init{world_size}{layout}"
+    out = tmp_path / f"{layout}{world_size}.pt"
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, str(WORKER), f"--world-size={world_size}",
-           f"--init-file={init_file}", f"--out={out}"]
+           f"--init-file={init_file}", f"--out={out}", f"--layout={layout}"]
     procs = [
         subprocess.Popen([*cmd, f"--rank={r}"], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -61,8 +62,7 @@ def rel_close(a: float, b: float) -> bool:
     return a == b or abs(a - b) <= RTOL * max(abs(a), abs(b))
 
 
-def test_tensor_parallel_two_equals_one(tmp_path):
-    one, two = launch(1, tmp_path), launch(2, tmp_path)
+def assert_same_run(one: dict, two: dict) -> None:
     for role in ("actor", "critic"):
         a, b = one[role], two[role]
         assert_close(b["scores"], a["scores"], f"{role} scores")
@@ -78,3 +78,21 @@ def test_tensor_parallel_two_equals_one(tmp_path):
             assert_close(b["weights"][name], tensor, f"{role} {name}")
     for name, tensor in one["actor"]["policy"].items():
         assert_close(two["actor"]["policy"][name], tensor, f"policy {name}")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return launch(1, tmp_path_factory.mktemp("one"))
+
+
+def test_tensor_parallel_two_equals_one(one_process, tmp_path):
+    assert_same_run(one_process, launch(2, tmp_path, "tp"))
+
+
+def test_megatron_data_parallel_two_equals_one(one_process, tmp_path):
+    """megatron's grad buffers summed once per step over 2 ranks, each with its own chunks."""
+    two = launch(2, tmp_path, "dp")
+    for role in ("actor", "critic"):
+        assert all(s["chunks_trained"] < o["chunks_trained"] for s, o in
+                   zip(two[role]["stats"], one_process[role]["stats"], strict=True))
+    assert_same_run(one_process, two)

@@ -1,10 +1,13 @@
-"""One rank of the tensor-parallel check (standalone script; the test launches 1 and 2 ranks).
+"""One rank of the tensor- / data-parallel checks (standalone script; the test launches it).
 
-``python tp_worker.py --rank R --world-size W --init-file F --out O``: joins a gloo group through
-``file://F``, builds the tiny float64 megatron actor and critic with ``tensor_parallel_size=W``
-(the same Hugging Face weights, sharded), scores a chunk and takes two optimizer steps each
-(two minibatches, clipped), and rank 0 saves the stats, the scores and the full weights
-(shards gathered, Hugging Face names for the actor's policy) to ``O``.
+``python tp_worker.py --rank R --world-size W --init-file F --out O --layout tp|dp``: joins a gloo
+group through ``file://F`` and builds the tiny float64 megatron actor and critic, either with
+``tensor_parallel_size=W`` (``tp``: the same Hugging Face weights, sharded; every rank trains
+every chunk) or with ``tensor_parallel_size=1`` (``dp``: megatron's data-parallel group of W
+ranks, each training its planner share of the chunks, lppo's data group the default group). It
+scores a chunk and takes two optimizer steps each (two minibatches, clipped), and rank 0 saves
+the stats, the scores and the full weights (shards gathered, Hugging Face names for the actor's
+policy) to ``O``.
 """
 
 from __future__ import annotations
@@ -28,25 +31,30 @@ from _mbuilders import make  # noqa: E402
 
 from lppo.chunks import iter_chunks, read_chunk  # noqa: E402
 from lppo.modules.megatron.convert import unshard  # noqa: E402
+from lppo.parallel import ParallelContext  # noqa: E402
 from lppo.planner import ChunkPlanner  # noqa: E402
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES  # noqa: E402
 
 NAMES = {"actor": [OLD_LOGPROBS, ADVANTAGES], "critic": [VALUES, RETURNS]}
 
 
-def run(world_size: int) -> dict:
+def run(world_size: int, rank: int, layout: str) -> dict:
     cols = random_rows(8, 21, min_len=6, max_len=14)
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
-    epoch = ChunkPlanner(longest + 4, seed=2).plan(store.meta(), minibatches=2)
+    dp = world_size if layout == "dp" else 1
+    planner = ChunkPlanner(longest + 4, seed=2, world_size=dp, rank=rank if dp > 1 else 0)
+    epoch = planner.plan(store.meta(), minibatches=2)
     out: dict = {}
     for role in ("actor", "critic"):
         kwargs = {"lr": 1e-2, "max_grad_norm": 0.5}
         if role == "actor":
             kwargs["entropy_coef"] = 0.01
-        module = make(role, tp=world_size, **kwargs)
+        module = make(role, tp=world_size // dp, **kwargs)
+        if dp > 1:
+            module.parallel = ParallelContext.from_default_group()
         tensor = module.parallel.tensor
-        assert tensor.size == world_size and module.parallel.data.size == 1
+        assert tensor.size == world_size // dp and module.parallel.data.size == dp
         chunk = read_chunk(store, list(range(8)), NAMES[role])
         scores = module.score(chunk)
         stats = []
@@ -70,6 +78,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--init-file", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--layout", choices=("tp", "dp"), default="tp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -77,7 +86,7 @@ def main() -> None:
         world_size=args.world_size,
     )
     _megatron_cpu.install()
-    result = run(args.world_size)
+    result = run(args.world_size, args.rank, args.layout)
     if args.rank == 0:
         torch.save(result, args.out)
     _megatron_cpu.uninstall()
