@@ -42,6 +42,14 @@ class MegatronActor(MegatronLifecycle, ActorModule):
         self._rollout: list[nn.Module] = []  # a list: not a submodule, not in state_dict
         self._rollout_version = -1
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> MegatronActor:
+        # PPOSystem copies the actor as the KL reference; megatron's DDP and process groups
+        # do not copy. Say so at setup instead of failing deep inside copy.
+        raise TypeError(
+            "MegatronActor cannot be copied as a reference policy: set model.ppo.kl_coef: 0 "
+            "with the megatron backend (a megatron reference model is not implemented)."
+        )
+
     @property
     def ddp(self) -> Any:
         """The megatron DDP model (``None`` until ``configure_model``)."""

@@ -240,3 +240,8 @@ def test_policy_is_a_hugging_face_llama_refreshed_after_steps():
             "model.embed_tokens.weight"
         ]
     )
+
+
+def test_a_reference_copy_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match="kl_coef: 0"):
+        copy.deepcopy(make("actor"))
