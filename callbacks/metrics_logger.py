@@ -101,8 +101,8 @@ class PPOMetricsLogger(PPOCallback):
       ``critic/explained_variance``, ``critic/value_mean``, ``critic/return_mean``,
       ``actor/approx_kl``, ``actor/entropy`` and any further ``StepStats.metrics``;
     * one iteration row: ``rollout/<name>`` for :data:`ROLLOUT_KEYS`,
-      ``perf/tokens_per_second/<phase>``, ``perf/seconds/<phase>`` and
-      ``perf/peak_memory_bytes``.
+      ``perf/tokens_per_second/<phase>``, ``perf/seconds/<phase>``,
+      ``perf/padding_fraction/<phase>`` (score, critic, actor) and ``perf/peak_memory_bytes``.
 
     Every row carries ``iteration`` and gets its own step on one monotonically increasing axis
     (saved in :meth:`state_dict`, so a resumed run continues it). :attr:`history` keeps one
@@ -169,6 +169,8 @@ class PPOMetricsLogger(PPOCallback):
             if seconds is not None and tokens is not None:
                 row[f"perf/tokens_per_second/{phase}"] = tokens / seconds if seconds > 0 else 0.0
         row.update({f"perf/seconds/{k}": float(v) for k, v in result.seconds.items()})
+        padding = getattr(result, "padding", {})
+        row.update({f"perf/padding_fraction/{k}": float(v) for k, v in padding.items()})
         row["perf/peak_memory_bytes"] = float(peak_memory_bytes(pl_module))
         return row
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from lppo.algorithms.kl import KLKind
 
@@ -32,6 +33,12 @@ class PPOConfig:
         disable_dropout: set every dropout probability of the actor, critic and reference to
             0 at setup (as TRL and verl do for RL): old log-probabilities are scored without
             dropout, so with dropout left on in training the first ratio would not be 1.
+        old_logprobs: where π_old log-probabilities come from: ``recompute`` (a forward pass
+            of the actor over every row in the score phase) or ``rollout`` (the engine's
+            sampling log-probabilities, ``gen_logprobs``: one forward pass fewer per
+            iteration; exact when the engine samples from the actor's current weights at the
+            same temperature with no top-p / top-k / min-new-tokens truncation, e.g. the
+            default ``HFGenerateEngine``; otherwise the PPO ratio is off-policy).
     """
 
     kl_coef: float = 0.0
@@ -46,6 +53,7 @@ class PPOConfig:
     max_consecutive_skipped_steps: int = 3
     max_skipped_steps: int | None = None
     disable_dropout: bool = True
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
@@ -73,6 +81,10 @@ class PPOConfig:
             raise ValueError(f"model.ppo.kl_coef={self.kl_coef} must be >= 0 (0 disables it).")
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise ValueError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
+        if self.old_logprobs not in ("recompute", "rollout"):
+            raise ValueError(
+                f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'recompute' or 'rollout'."
+            )
         if self.critic_warmup_iterations < 0:
             raise ValueError(
                 f"model.ppo.critic_warmup_iterations={self.critic_warmup_iterations} must be >= 0."

@@ -3,9 +3,10 @@
 An iteration (:meth:`PPOController.run_iteration`) is, in order:
 
 1. **collect**: the rollout's rows get ids from the store and are ``put`` into it;
-2. **score**: π_old log-probabilities, reference log-probabilities, old values and the reward
-   model's scores, streamed chunk by chunk and written back as columns (a reward model's
-   score is then combined with the task's reward, row by row);
+2. **score**: π_old log-probabilities (or the engine's: ``ppo.old_logprobs``), reference
+   log-probabilities, old values and the reward model's scores, streamed chunk by chunk and
+   written back as columns (a reward model's score is then combined with the task's reward,
+   row by row);
 3. **advantages**: the advantage estimator (``GAE`` by default) writes advantages and returns;
 4. **critic epochs**, then 5. **actor epochs**: ``begin → train_chunk* → finish`` per step;
 6. **release**: the rows leave the store exactly once.
@@ -43,6 +44,7 @@ from lppo.planner import RowLayout
 from lppo.stats import Moments
 from lppo.types import (
     ADVANTAGES,
+    GEN_LOGPROBS,
     OLD_LOGPROBS,
     REF_LOGPROBS,
     RESPONSE_MASK,
@@ -184,8 +186,9 @@ class PPOController:
 
         # 2. score (each rank its own valid rows; no collective, so chunk counts may differ)
         ctx.phase = "score"
-        plan = self.data.plan(rows, "score", ctx.iteration, dropped=dropped)
+        plan = self.data.plan(rows, "score", ctx.iteration, dropped=dropped, no_grad=True)
         stats["invalid_rows"] = float(len(plan.invalid_rows))
+        padding = {"score": plan.padding_fraction}
         step = plan.steps[0]
         stats.update(self._score(ctx, step))
         clock = _lap(seconds, "score", clock)
@@ -205,14 +208,17 @@ class PPOController:
             phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
         for phase, module, epochs, minibatches in phases:
             first = len(ctx.step_stats)
-            self._train_phase(ctx, rows, phase, module, epochs, minibatches, dropped)
+            padding[phase] = self._train_phase(
+                ctx, rows, phase, module, epochs, minibatches, dropped
+            )
             clock = _lap(seconds, phase, clock)
             tokens[phase] = sum(s.tokens for s in ctx.step_stats[first:])
 
         # 6. release: RowRetention releases the rows in on_iteration_end
         ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = "release", -1, -1, -1
         ctx.module = ctx.plan = None
-        result = IterationResult(ctx.iteration, stats, list(ctx.step_stats), seconds, tokens)
+        steps = list(ctx.step_stats)
+        result = IterationResult(ctx.iteration, stats, steps, seconds, tokens, padding)
         self._emit("on_iteration_end", ctx, result)
         if not ctx.rows_released:
             raise RuntimeError(
@@ -276,11 +282,17 @@ class PPOController:
     def _score(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
         """Write π_old and reference log-probabilities, old values and reward-model rewards."""
         scores: dict[int, float] = {}
-        for c, chunk in enumerate(self.data.stream(step, [])):
+        reuse = self.config.old_logprobs == "rollout"
+        for c, chunk in enumerate(self.data.stream(step, [GEN_LOGPROBS] if reuse else [])):
             if chunk.is_padding:
                 continue
             ctx.chunk = c
-            columns = {OLD_LOGPROBS: unpad(chunk, self.actor.score(chunk))}
+            if reuse:  # the engine's sampling log-probabilities, masked as actor.score masks
+                gen = chunk.extras.pop(GEN_LOGPROBS)
+                old = torch.where(chunk.response_mask, gen, torch.zeros_like(gen))
+            else:
+                old = self.actor.score(chunk)
+            columns = {OLD_LOGPROBS: unpad(chunk, old)}
             if self.critic is not None:
                 columns[VALUES] = unpad(chunk, self.critic.score(chunk))
             if self.reference is not None:
@@ -333,12 +345,18 @@ class PPOController:
         epochs: int,
         minibatches: int,
         dropped: int,
-    ) -> None:
-        """``epochs`` × ``minibatches`` optimizer steps of ``module`` over streamed chunks."""
+    ) -> float:
+        """``epochs`` × ``minibatches`` optimizer steps of ``module`` over streamed chunks.
+
+        Returns:
+            The plans' padding fraction, mean over the epochs.
+        """
         names = [VALUES, RETURNS] if phase == "critic" else [OLD_LOGPROBS, ADVANTAGES]
+        padding = 0.0
         for epoch in range(epochs):
             ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = phase, epoch, -1, -1
             plan = self.data.plan(rows, phase, ctx.iteration, epoch, minibatches, dropped)
+            padding += plan.padding_fraction / epochs
             self._emit("on_phase_epoch_start", ctx)
             for step in plan.steps:
                 ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step
@@ -357,6 +375,7 @@ class PPOController:
                     )
                 ctx.module = ctx.plan = None
             self._emit("on_phase_epoch_end", ctx)
+        return padding
 
     def _abort(self, ctx: IterationContext, error: BaseException) -> None:
         """Run every ``on_ppo_abort`` hook; a failing one never hides the original error."""

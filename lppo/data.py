@@ -24,6 +24,9 @@ class ReplayDataModule(LightningDataModule):
     Args:
         max_tokens_per_chunk: padded-token budget of one chunk (``rows × longest row``); the
             knob that bounds activation memory.
+        max_tokens_per_score_chunk: padded-token budget of one chunk of the score phase
+            (forward passes without gradients keep no activations, so larger chunks are
+            cheap in memory and faster); ``null``: ``max_tokens_per_chunk``.
         store: the replay backend (default: the in-process :class:`MemoryReplayStore`).
         drop_budget: samples that may be lost per iteration (invalid rows, rollout failures)
             before the iteration fails.
@@ -41,9 +44,11 @@ class ReplayDataModule(LightningDataModule):
         fixed_rows_per_rank: bool = False,
         shuffle: bool = True,
         seed: int = 0,
+        max_tokens_per_score_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.max_tokens_per_chunk = max_tokens_per_chunk
+        self.max_tokens_per_score_chunk = max_tokens_per_score_chunk
         self.store: ReplayStore = store if store is not None else MemoryReplayStore()
         self.drop_budget = drop_budget
         self.fixed_rows_per_rank = fixed_rows_per_rank
@@ -58,6 +63,7 @@ class ReplayDataModule(LightningDataModule):
             shuffle=self.shuffle,
             drop_budget=self.drop_budget,
             fixed_rows_per_rank=self.fixed_rows_per_rank,
+            max_tokens_per_score_chunk=self.max_tokens_per_score_chunk,
             **kwargs,
         )
 
@@ -98,10 +104,12 @@ class ReplayDataModule(LightningDataModule):
         epoch: int = 0,
         minibatches: int = 1,
         dropped: int = 0,
+        no_grad: bool = False,
     ) -> EpochPlan:
         """This rank's plan of one epoch of ``phase`` over the iteration's ``rows``.
 
-        Each rank's chunks hold only rows it owns (see :meth:`ChunkPlanner.plan`).
+        Each rank's chunks hold only rows it owns; ``no_grad=True`` packs them within
+        ``max_tokens_per_score_chunk`` (see :meth:`ChunkPlanner.plan`).
         """
         return self.planner.plan(
             rows.meta,
@@ -111,6 +119,7 @@ class ReplayDataModule(LightningDataModule):
             iteration=iteration,
             dropped=dropped,
             owners=rows.owners,
+            no_grad=no_grad,
         )
 
     def stream(self, step: StepPlan, names: Sequence[str]) -> Iterator[Chunk]:

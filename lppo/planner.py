@@ -112,6 +112,9 @@ class ChunkPlanner:
             divisibility at construction.
         minibatches: optimizer steps per epoch this planner will be asked for (for the
             divisibility check; :meth:`plan` takes the actual value).
+        max_tokens_per_score_chunk: padded-token budget of the chunks of no-grad passes
+            (``plan(..., no_grad=True)``: the score phase keeps no activations, so its chunks
+            can be larger); ``None``: ``max_tokens_per_chunk``.
 
     Raises:
         ValueError: an inconsistent configuration, with the keys, the values and the fix.
@@ -129,7 +132,15 @@ class ChunkPlanner:
         max_row_length: int | None = None,
         rows_per_iteration: int | None = None,
         minibatches: int = 1,
+        max_tokens_per_score_chunk: int | None = None,
     ) -> None:
+        score_budget = max_tokens_per_score_chunk
+        if score_budget is not None and (max_row_length or 1) > score_budget:
+            raise ValueError(
+                f"data.max_tokens_per_score_chunk={score_budget} is below the longest possible "
+                f"row ({max_row_length or 1} tokens); raise it to at least that, or set it to "
+                "null (the training budget, data.max_tokens_per_chunk)."
+            )
         if max_tokens_per_chunk < 1:
             raise ValueError(
                 f"data.max_tokens_per_chunk={max_tokens_per_chunk} must be >= 1; "
@@ -171,6 +182,7 @@ class ChunkPlanner:
                     "data.fixed_rows_per_rank=false."
                 )
         self.max_tokens_per_chunk = max_tokens_per_chunk
+        self.max_tokens_per_score_chunk = score_budget or max_tokens_per_chunk
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
@@ -188,6 +200,7 @@ class ChunkPlanner:
         iteration: int = 0,
         dropped: int = 0,
         owners: Sequence[int] | None = None,
+        no_grad: bool = False,
     ) -> EpochPlan:
         """Plan one epoch of one phase for this rank.
 
@@ -204,6 +217,8 @@ class ChunkPlanner:
             owners: the data-parallel rank holding each row of ``meta`` (its ``ids`` are ids of
                 that rank's store): each rank's chunks are packed from its own rows only.
                 ``None``: every rank can read every row and chunks are dealt round-robin.
+            no_grad: pack chunks within ``max_tokens_per_score_chunk`` (passes without
+                gradients, which keep no activations).
 
         Returns:
             The :class:`EpochPlan`.
@@ -218,12 +233,13 @@ class ChunkPlanner:
         if owners is not None and len(owners) != len(meta.ids):
             raise ValueError(f"{len(owners)} owners for {len(meta.ids)} rows")
         longest = max(meta.lengths, default=0)
-        if longest > self.max_tokens_per_chunk:
+        budget = self.max_tokens_per_score_chunk if no_grad else self.max_tokens_per_chunk
+        if longest > budget:
             worst = meta.ids[meta.lengths.index(longest)]
+            key = "max_tokens_per_score_chunk" if no_grad else "max_tokens_per_chunk"
             raise ValueError(
-                f"row {worst} has {longest} tokens, above data.max_tokens_per_chunk="
-                f"{self.max_tokens_per_chunk}; raise data.max_tokens_per_chunk to at least "
-                f"{longest}."
+                f"row {worst} has {longest} tokens, above data.{key}={budget}; raise "
+                f"data.{key} to at least {longest}."
             )
         valid = [k for k in keys if meta.valid_tokens[k] > 0]
         invalid = tuple(meta.ids[k] for k in keys if meta.valid_tokens[k] == 0)
@@ -233,7 +249,7 @@ class ChunkPlanner:
             gen = torch.Generator().manual_seed(_seed(self.seed, phase, iteration, epoch))
             order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
         steps = [
-            self._plan_step(rows, meta, owners, epoch, k)
+            self._plan_step(rows, meta, owners, epoch, k, budget)
             for k, rows in enumerate(self._minibatches(order, owners, minibatches))
         ]
         return EpochPlan(
@@ -302,17 +318,19 @@ class ChunkPlanner:
         owners: Sequence[int] | None,
         epoch: int,
         minibatch: int,
+        budget: int,
     ) -> StepPlan:
         """This rank's chunks of one step (``rows`` are positions in ``meta``)."""
         world, length = self.world_size, meta.lengths
         if owners is not None:
             per_rank = [
-                self._pack([k for k in rows if owners[k] == r], length) for r in range(world)
+                self._pack([k for k in rows if owners[k] == r], length, budget)
+                for r in range(world)
             ]
         elif self.fixed_rows_per_rank:
-            per_rank = [self._pack(share, length) for share in _split(rows, world)]
+            per_rank = [self._pack(share, length, budget) for share in _split(rows, world)]
         else:
-            chunks = self._pack(rows, length)
+            chunks = self._pack(rows, length, budget)
             per_rank = [chunks[r::world] for r in range(world)]
         width = max(len(c) for c in per_rank)
         mine = per_rank[self.rank] + [()] * (width - len(per_rank[self.rank]))
@@ -328,14 +346,16 @@ class ChunkPlanner:
             padding_fraction=1.0 - used / slots if slots else 0.0,
         )
 
-    def _pack(self, rows: list[int], length: Sequence[int]) -> list[tuple[int, ...]]:
+    def _pack(
+        self, rows: list[int], length: Sequence[int], budget: int
+    ) -> list[tuple[int, ...]]:
         """Greedy packing of rows, longest first, so ``len(chunk) × longest ≤ budget``."""
         ordered = sorted(rows, key=lambda i: -length[i])
         chunks: list[tuple[int, ...]] = []
         current: list[int] = []
         for i in ordered:
             # Rows come longest first, so the chunk's first row sets its padded width.
-            if current and (len(current) + 1) * length[current[0]] > self.max_tokens_per_chunk:
+            if current and (len(current) + 1) * length[current[0]] > budget:
                 chunks.append(tuple(current))
                 current = []
             current.append(i)

@@ -54,7 +54,8 @@ class PPOTrainer(Trainer):
     """A ``Trainer`` whose epoch is one RL iteration (``max_epochs`` = iterations).
 
     Differences from a plain ``Trainer``: the fit loop is :class:`lppo.loop.PPOFitLoop`;
-    lppo's monitoring and checkpoint callbacks are added when absent; the default logger writes
+    lppo's monitoring and checkpoint callbacks are added when absent (the per-iteration
+    checkpoint not with ``enable_checkpointing=False``); the default logger writes
     ``<default_root_dir>/version_N/metrics.csv`` (one folder per launch, so a resumed run keeps
     the earlier metrics) and checkpoints go to ``<default_root_dir>/checkpoints``; Lightning's
     batch progress bar, model summary, sanity check and validation are off. ``global_step``
@@ -79,7 +80,11 @@ class PPOTrainer(Trainer):
             # One version folder per launch: a resumed run never overwrites earlier metrics.
             kwargs["logger"] = CSVLogger(root, name="")
         callbacks = list(kwargs.get("callbacks") or [])
+        # enable_checkpointing=False: no per-iteration checkpoint (Lightning's own switch).
+        no_checkpoints = kwargs.get("enable_checkpointing") is False
         for cb in default_callbacks():
+            if no_checkpoints and isinstance(cb, IterationCheckpoint):
+                continue
             if not any(isinstance(c, type(cb)) for c in callbacks):
                 callbacks.append(cb)
         for cb in callbacks:

@@ -220,6 +220,8 @@ class IterationResult:
         seconds: wall time per phase (``rollout``, ``collect``, ``score``, ``advantages``,
             ``critic``, ``actor``).
         tokens: real tokens processed per phase (``rollout``: response tokens generated).
+        padding: padded-but-empty fraction of the token slots per chunked phase (``score``,
+            ``critic``, ``actor``; the planner's ``padding_fraction``, mean over epochs).
     """
 
     iteration: int
@@ -227,6 +229,7 @@ class IterationResult:
     steps: list[StepStats]
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    padding: dict[str, float] = field(default_factory=dict)
 
     def phase_steps(self, role: str) -> list[StepStats]:
         """Steps of ``role`` (``actor`` or ``critic``)."""

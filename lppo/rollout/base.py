@@ -73,6 +73,12 @@ class RolloutSettings:
             the samples do not depend on how many ranks generate them. ``null``: one block per
             data-parallel rank (one block in a single process); set it to compare runs across
             rank counts.
+        min_new_tokens: the end-of-sequence token is suppressed (probability 0) before this
+            many response tokens; the sampling distribution then differs from the policy's
+            for those tokens, so ``gen_logprobs`` are no longer the trainer's.
+        ignore_eos: keep sampling after an end-of-sequence token: every response has exactly
+            ``max_new_tokens`` tokens (EOS tokens stay in it as ordinary tokens) and none is
+            truncated; the distribution is unchanged (benchmarks, fixed-length workloads).
     """
 
     prompts_per_iteration: int = 32
@@ -82,6 +88,8 @@ class RolloutSettings:
     top_p: float = 1.0
     top_k: int = 0
     prompts_per_block: int | None = None
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
@@ -98,6 +106,11 @@ class RolloutSettings:
         if self.prompts_per_block is not None and self.prompts_per_block < 1:
             raise ValueError(
                 f"model.rollout.prompts_per_block={self.prompts_per_block} must be >= 1 or null."
+            )
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"model.rollout.min_new_tokens={self.min_new_tokens} must lie in "
+                f"[0, max_new_tokens={self.max_new_tokens}]."
             )
 
     @property

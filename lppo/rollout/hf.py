@@ -150,11 +150,14 @@ class HFGenerateEngine:
                 "top_p": sampling.top_p,
                 "top_k": sampling.top_k,
             }
+        if sampling.min_new_tokens > 0:
+            kwargs["min_new_tokens"] = sampling.min_new_tokens
         return transformers.GenerationConfig(
             do_sample=not greedy,
             max_new_tokens=sampling.max_new_tokens,
             num_beams=1,
-            eos_token_id=self.eos_token_id,
+            # ignore_eos: no stop token, so every row runs to max_new_tokens
+            eos_token_id=None if sampling.ignore_eos else self.eos_token_id,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_scores=True,
@@ -245,9 +248,10 @@ class HFGenerateEngine:
             .cpu()
         )
         samples = []
+        ignore_eos = self.sampling.ignore_eos
         for r, ids in enumerate(batch):
             is_eos = (tokens[r] == self.eos_token_id).nonzero()
-            done = is_eos.numel() > 0
+            done = is_eos.numel() > 0 and not ignore_eos
             n = int(is_eos[0, 0]) + 1 if done else tokens.shape[1]
             response = tokens[r, :n]
             p = len(ids)
@@ -262,7 +266,7 @@ class HFGenerateEngine:
                     response_mask=mask,
                     gen_logprobs=lp,
                     completion=self.tokenizer.decode(text_ids.tolist(), skip_special_tokens=True),
-                    truncated=not done,
+                    truncated=not (done or ignore_eos),
                 )
             )
         return samples

@@ -1,0 +1,108 @@
+"""Shared inputs of the TRL side-by-side benchmark: tokenizer, models and prompts on disk.
+
+Both sides load exactly these files, so they train the same weights on the same tokens:
+a 1024-token word-level tokenizer (``w0 … w1019`` plus four special tokens), a random Llama
+policy (hidden 256, 4 layers, 4.7M parameters), a same-size critic and a random
+``LlamaForSequenceClassification`` reward model, and the prompts of every setting as token ids.
+Runs in either virtual environment (only ``transformers`` and ``tokenizers`` are used).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+VOCAB = 1024
+HIDDEN, LAYERS, HEADS, INTERMEDIATE = 256, 4, 4, 1024
+
+
+def build_tokenizer(path: str) -> None:
+    """A word-level fast tokenizer: ``"w5 w17"`` encodes to two ids, no special token added."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for i in range(VOCAB - len(SPECIALS)):
+        vocab[f"w{i}"] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    tok.save_pretrained(path)
+
+
+def llama_config(num_labels: int | None = None):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=512,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if num_labels is not None:
+        cfg.num_labels = num_labels
+    return cfg
+
+
+def build_models(root: str) -> None:
+    """Random policy (causal LM), critic and reward model (sequence classifiers, 1 label)."""
+    import torch
+    import transformers
+
+    for name, seed, cls in (
+        ("policy", 0, transformers.LlamaForCausalLM),
+        ("critic", 1, transformers.LlamaForSequenceClassification),
+        ("reward", 2, transformers.LlamaForSequenceClassification),
+    ):
+        torch.manual_seed(seed)
+        model = cls(llama_config(None if name == "policy" else 1))
+        model.save_pretrained(os.path.join(root, name))
+
+
+def make_prompts(n: int, setup: str, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts as token ids: 16 tokens each (``equal``) or 8–128 (``variable``)."""
+    rng = random.Random(f"{setup}-{n}-{seed}")
+    lengths = [16 if setup == "equal" else rng.randint(8, 128) for _ in range(n)]
+    return [[rng.randrange(len(SPECIALS), VOCAB) for _ in range(k)] for k in lengths]
+
+
+def build(root: str, sizes: list[int], setups: list[str]) -> None:
+    """Write tokenizer, models and ``prompts-<setup>-<n>.json`` under ``root`` (idempotent)."""
+    os.makedirs(root, exist_ok=True)
+    if not os.path.exists(os.path.join(root, "reward", "config.json")):
+        build_tokenizer(os.path.join(root, "tokenizer"))
+        build_models(root)
+    for setup in setups:
+        for n in sizes:
+            path = os.path.join(root, f"prompts-{setup}-{n}.json")
+            with open(path, "w") as f:
+                json.dump(make_prompts(n, setup), f)
+
+
+def load_prompts(root: str, setup: str, n: int) -> list[list[int]]:
+    with open(os.path.join(root, f"prompts-{setup}-{n}.json")) as f:
+        return json.load(f)
+
+
+def peak_rss_mb() -> float:
+    """Whole-process peak resident memory (kernel high-water mark) in MB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

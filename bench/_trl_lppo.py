@@ -1,0 +1,175 @@
+"""One lppo run of the TRL side-by-side benchmark (runs in the lppo venv).
+
+Usage: ``python _trl_lppo.py ROOT SETUP N ITERATIONS THREADS [KEY=VALUE ...]`` where the
+optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs``
+(``recompute`` / ``rollout``), ``gen_batch`` (engine batch size, 0 = all rows) and
+``profile`` (a path: cProfile of the timed iterations is dumped there).
+
+The run is a real ``lppo.PPOTrainer.fit`` of a :class:`~lppo.PPOSystem` built on the
+benchmark's files (policy, critic backbone, reward model, tokenizer, prompts); the task serves
+the same prompts every iteration and rewards 0, so the reward is the reward model's score, as
+in TRL. Prints one JSON line with per-iteration seconds per phase (``IterationResult.seconds``:
+generation = ``rollout``; scoring = ``collect`` + ``score`` + ``advantages``; training =
+``critic`` + ``actor``; total = the trainer epoch, start to end), the plan's padding fraction
+and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _trl_assets import load_prompts, peak_rss_mb
+
+
+def build_task(prompts: list[list[int]]):
+    from lppo.tasks import Prompt, Task
+
+    texts = [" ".join(f"w{i - 4}" for i in ids) for ids in prompts]
+
+    class FixedPrompts(Task):
+        """The benchmark's prompts, every iteration, in order; reward 0 (the model scores)."""
+
+        name = "fixed"
+
+        def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
+            return [Prompt(text=t, answer="") for t in texts[:n]]
+
+        def reward(self, prompt: Prompt, completion: str) -> float:
+            return 0.0
+
+        def rewards(self, prompts: list[Prompt], completions: list[str]) -> list[float]:
+            return [0.0] * len(completions)
+
+        def vocabulary(self) -> str:
+            return ""
+
+        def max_prompt_length(self) -> int:
+            return max(len(p) for p in prompts)
+
+    return FixedPrompts()
+
+
+def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int]]):
+    import inspect
+
+    from lppo import PPOSystem
+    from lppo.config import PPOConfig
+    from lppo.estimators import GAE
+    from lppo.models import HFCausalLM
+    from lppo.modules import ActorModule, CriticModule, RewardModel
+    from lppo.rollout import HFGenerateEngine, RolloutSettings
+
+    gen_batch = int(opts.get("gen_batch", "0")) or None
+    settings = {"prompts_per_iteration": n, "samples_per_prompt": 1, "max_new_tokens": 64}
+    if "ignore_eos" in inspect.signature(RolloutSettings).parameters:
+        settings["ignore_eos"] = True
+    ppo = {"kl_coef": 0.05, "critic_epochs": 2, "actor_epochs": 2}
+    if opts.get("old_logprobs", "recompute") != "recompute":
+        ppo["old_logprobs"] = opts["old_logprobs"]
+    return PPOSystem(
+        actor=ActorModule(HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5),
+        critic=CriticModule(HFCausalLM(pretrained_path=os.path.join(root, "critic")), lr=1e-5),
+        task=build_task(prompts),
+        engine=HFGenerateEngine(batch_size=gen_batch, prepend_bos=False),
+        estimator=GAE(gamma=1.0, lam=0.95),
+        reward_model=RewardModel(
+            HFCausalLM(pretrained_path=os.path.join(root, "reward")),
+            task_weight=0.0,
+            normalize=False,
+        ),
+        rollout=RolloutSettings(**settings),
+        ppo=PPOConfig(**ppo),
+        tokenizer_path=os.path.join(root, "tokenizer"),
+        num_threads=None,
+    )
+
+
+def main() -> None:
+    root, setup, n, iterations, threads = sys.argv[1:6]
+    opts = dict(a.split("=", 1) for a in sys.argv[6:])
+    n, iterations, threads = int(n), int(iterations), int(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    from lightning.pytorch.callbacks import Callback
+
+    from lppo import PPOTrainer
+    from lppo.data import ReplayDataModule
+    from lppo.hooks import PPOCallback
+
+    rows: list[dict[str, float]] = []
+    padding: list[dict[str, float]] = []
+
+    class Record(PPOCallback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.start = time.perf_counter()
+
+        def on_iteration_end(self, ctx, result) -> None:
+            s = result.seconds
+            self.row = {
+                "generation": s.get("rollout", 0.0),
+                "scoring": s.get("collect", 0.0) + s.get("score", 0.0) + s.get("advantages", 0),
+                "training": s.get("critic", 0.0) + s.get("actor", 0.0),
+            }
+            padding.append(dict(getattr(result, "padding", {})))
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            rows.append({**self.row, "total": time.perf_counter() - self.start})
+
+    class Profile(Callback):
+        def __init__(self, path: str) -> None:
+            import cProfile
+
+            self.path, self.prof = path, cProfile.Profile()
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if trainer.current_epoch >= 1:
+                self.prof.enable()
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.prof.disable()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.prof.dump_stats(self.path)
+
+    prompts = load_prompts(root, setup, n)
+    system = build_system(root, n, opts, prompts)
+    data_args = {"max_tokens_per_chunk": int(opts.get("chunk_tokens", "640"))}
+    if "score_chunk_tokens" in opts:
+        data_args["max_tokens_per_score_chunk"] = int(opts["score_chunk_tokens"])
+    data = ReplayDataModule(**data_args)
+    callbacks: list[Callback] = [Record()]
+    if "profile" in opts:
+        callbacks.append(Profile(opts["profile"]))
+    out = tempfile.mkdtemp(prefix="lppo-bench-")
+    trainer = PPOTrainer(
+        max_epochs=iterations,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(system, datamodule=data)
+    print(
+        json.dumps(
+            {
+                "side": "lppo",
+                "iterations": rows,
+                "padding_fraction": padding,
+                "peak_rss_mb": peak_rss_mb(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""One TRL 1.12.0 ``PPOTrainer`` run of the side-by-side benchmark (runs in the TRL venv).
+
+Usage: ``python _trl_trl.py ROOT SETUP N ITERATIONS THREADS`` (ROOT from ``_trl_assets``).
+Prints one JSON line: per-iteration seconds of generation / scoring / training / total and the
+process's peak RSS. Phases are timed by wrapping the module-level ``batch_generation`` and
+``forward`` functions TRL's training loop calls (generation ends when ``batch_generation``
+returns; training starts at the first forward with gradients; an iteration ends at
+``on_step_end``); nothing of TRL's own computation is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _trl_assets import load_prompts, peak_rss_mb
+
+
+def main() -> None:
+    root, setup, n, iterations, threads = sys.argv[1:6]
+    n, iterations, threads = int(n), int(iterations), int(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    import transformers
+    from datasets import Dataset
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as mod
+
+    marks: list[dict[str, float]] = []
+    current: dict[str, float] = {}
+
+    generate = mod.batch_generation
+
+    def timed_generation(*args, **kwargs):
+        current["gen_start"] = time.perf_counter()
+        out = generate(*args, **kwargs)
+        current["gen_end"] = time.perf_counter()
+        return out
+
+    fwd = mod.forward
+
+    def timed_forward(*args, **kwargs):
+        if torch.is_grad_enabled() and "train_start" not in current:
+            current["train_start"] = time.perf_counter()
+        return fwd(*args, **kwargs)
+
+    mod.batch_generation = timed_generation
+    mod.forward = timed_forward
+
+    class Marks(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            current["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            marks.append({**current, "end": now})
+            current.clear()
+            current["start"] = now
+
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(root, "tokenizer"))
+    tok.padding_side = "left"
+    load = transformers.AutoModelForSequenceClassification.from_pretrained
+    policy = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "policy"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "policy"))
+    critic = load(os.path.join(root, "critic"), num_labels=1)
+    reward = load(os.path.join(root, "reward"), num_labels=1)
+    prompts = load_prompts(root, setup, n)
+    dataset = Dataset.from_dict({"input_ids": prompts})
+    out = tempfile.mkdtemp(prefix="trl-bench-")
+    config = PPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=n // 8,
+        num_mini_batches=1,
+        num_ppo_epochs=2,
+        total_episodes=n * iterations,
+        response_length=64,
+        stop_token=None,
+        temperature=1.0,
+        kl_coef=0.05,
+        learning_rate=1e-5,
+        num_sample_generations=0,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=10**9,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=critic,
+        train_dataset=dataset,
+        eval_dataset=dataset.select(range(8)),
+        callbacks=[Marks()],
+    )
+    trainer.train()
+    rows = []
+    for m in marks:
+        gen = m["gen_end"] - m["gen_start"]
+        rows.append(
+            {
+                "generation": gen,
+                "scoring": m["train_start"] - m["gen_end"],
+                "training": m["end"] - m["train_start"],
+                "total": m["end"] - m["start"],
+            }
+        )
+    print(json.dumps({"side": "trl", "iterations": rows, "peak_rss_mb": peak_rss_mb()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""lppo vs TRL 1.12.0's ``PPOTrainer`` on the same work, interleaved, per phase.
+
+Usage (from the repository root, with lppo's venv)::
+
+    .venv/bin/python bench/trl_side_by_side.py                       # the README table
+    .venv/bin/python bench/trl_side_by_side.py --prompts 16 64 --setups equal --iterations 2
+
+The script installs TRL 1.12.0 (the last release with PPO, ``trl.experimental.ppo``) into its
+own virtual environment (``--trl-venv``, default ``.venv-trl``; with ``-c constraints.txt``, so
+torch stays the local 2.13.0 CPU build), writes the shared inputs once (``_trl_assets``: a
+1024-token tokenizer, a random 4.7M-parameter Llama policy, a same-size critic and a random
+``LlamaForSequenceClassification`` reward model, the prompts), then for every setting runs
+each variant in its own fresh process, alternating which goes first, and prints a markdown
+report (medians over the timed iterations; the first iteration of each process is a warm-up).
+
+Work, identical on both sides: ``N`` prompts per iteration, one sample each, exactly 64 new
+tokens (TRL: no stop token; lppo: ``rollout.ignore_eos``), temperature 1, a frozen reference
+(KL coefficient 0.05), GAE (γ 1, λ 0.95), 2 PPO epochs of one minibatch, micro-batches of 8
+rows (TRL ``per_device_train_batch_size=8``; lppo's chunk budget 640 tokens = 8 × 80), fp32,
+``--threads`` intra-op threads. Setups: ``equal`` (every prompt 16 tokens) and ``variable``
+(8–128 tokens; TRL left-pads each batch, lppo packs).
+
+Variants: ``trl``; ``lppo`` (``--lppo`` settings, the tuned ones); ``lppo-default`` (lppo's
+defaults: old log-probs recomputed, score chunks = training chunks); ``floor`` (a plain
+PyTorch loop over lppo's training chunks, ``_trl_floor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _trl_assets  # noqa: E402
+
+TUNED = ["old_logprobs=rollout", "score_chunk_tokens=8192"]
+
+
+def ensure_trl_venv(path: str) -> str:
+    """The TRL venv's python, creating the venv (TRL 1.12.0, torch pinned) when missing."""
+    python = os.path.join(path, "bin", "python")
+    check = [python, "-c", "import trl, sys; sys.exit(trl.__version__ != '1.12.0')"]
+    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    print(f"installing TRL 1.12.0 into {path} ...", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    constraints = os.path.join(REPO, "constraints.txt")
+    pip = [python, "-m", "pip", "install", "-q", "-c", constraints, "trl==1.12.0"]
+    subprocess.run(pip, check=True)
+    return python
+
+
+def run(cmd: list[str], timeout: float) -> dict:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONWARNINGS"] = "ignore"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def command(variant: str, args: argparse.Namespace, trl_python: str, setup: str, n: int) -> list:
+    iters = str(args.iterations)
+    common = [args.root, setup, str(n)]
+    if variant == "trl":
+        return [trl_python, os.path.join(HERE, "_trl_trl.py"), *common, iters, str(args.threads)]
+    if variant == "floor":
+        script = os.path.join(HERE, "_trl_floor.py")
+        return [sys.executable, script, *common, "2", str(args.threads), str(args.chunk_tokens)]
+    opts = [f"chunk_tokens={args.chunk_tokens}"] + (args.lppo if variant == "lppo" else [])
+    script = os.path.join(HERE, "_trl_lppo.py")
+    return [sys.executable, script, *common, iters, str(args.threads), *opts]
+
+
+def summarize(result: dict) -> dict:
+    """Medians over the timed iterations (the first is a warm-up) and the peak RSS."""
+    if result["side"] == "floor":
+        return {"training": result["training"], "peak_rss_mb": result["peak_rss_mb"]}
+    timed = result["iterations"][1:] or result["iterations"]
+    out = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    out["peak_rss_mb"] = result["peak_rss_mb"]
+    if result.get("padding_fraction"):
+        out["padding"] = result["padding_fraction"][-1]
+    return out
+
+
+def trl_padding(root: str, setup: str, n: int) -> float:
+    """Fraction of TRL's token slots that are padding (every row padded to the longest)."""
+    prompts = _trl_assets.load_prompts(root, setup, n)
+    width = max(len(p) for p in prompts) + 64
+    return 1.0 - sum(len(p) + 64 for p in prompts) / (width * len(prompts))
+
+
+def report(results: dict, args: argparse.Namespace) -> str:
+    lines = [
+        "| setup | prompts | variant | generation s | scoring s | training s | iteration s "
+        "| × TRL (iteration) | × TRL gen / score / train | padding | peak RSS MB |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for (setup, n), variants in results.items():
+        trl = variants.get("trl")
+        for name, runs in variants.items():
+            s = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "padding"}
+            pad = ""
+            if name == "trl":
+                pad = f"{trl_padding(args.root, setup, n):.1%}"
+            elif runs[0].get("padding"):
+                pad = f"{runs[0]['padding'].get('actor', 0.0):.1%}"
+            gen = s.get("generation")
+            cells = [f"{s[k]:.2f}" if k in s else "" for k in ("generation", "scoring")]
+            cells += [f"{s['training']:.2f}", f"{s['total']:.2f}" if "total" in s else ""]
+            ratio, phases = "", ""
+            if trl and name != "trl":
+                t = {k: statistics.median(r[k] for r in trl) for k in trl[0] if k != "padding"}
+                if "total" in s:
+                    ratio = f"**{s['total'] / t['total']:.2f}**"
+                    phases = " / ".join(
+                        f"{s[k] / t[k]:.2f}" for k in ("generation", "scoring", "training")
+                    )
+                else:
+                    phases = f"– / – / {s['training'] / t['training']:.2f}"
+            del gen
+            lines.append(
+                f"| {setup} | {n} | {name} | {' | '.join(cells)} | {ratio} | {phases} | {pad} "
+                f"| {statistics.median(r['peak_rss_mb'] for r in runs):.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--prompts", type=int, nargs="+", default=[16, 64, 256, 1024])
+    p.add_argument("--variable-prompts", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--setups", nargs="+", default=["equal", "variable"])
+    p.add_argument("--variants", nargs="+", default=["trl", "lppo", "lppo-default", "floor"])
+    p.add_argument("--iterations", type=int, default=3, help="per process, first is warm-up")
+    p.add_argument("--rounds", type=int, default=1, help="processes per variant and setting")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chunk-tokens", type=int, default=640)
+    p.add_argument("--lppo", nargs="*", default=TUNED, help="KEY=VALUE settings of 'lppo'")
+    p.add_argument("--root", default="/tmp/lppo-trl-bench")
+    p.add_argument("--trl-venv", default=os.path.join(REPO, ".venv-trl"))
+    p.add_argument("--timeout", type=float, default=3600)
+    args = p.parse_args()
+    trl_python = ensure_trl_venv(args.trl_venv) if "trl" in args.variants else ""
+    settings = [
+        (s, n)
+        for s in args.setups
+        for n in (args.prompts if s == "equal" else args.variable_prompts)
+    ]
+    _trl_assets.build(args.root, sorted({n for _, n in settings}), args.setups)
+    results: dict = {}
+    started = time.time()
+    for setup, n in settings:
+        for r in range(args.rounds):
+            order = args.variants if (r + len(results)) % 2 == 0 else args.variants[::-1]
+            for variant in order:
+                t0 = time.time()
+                out = summarize(run(command(variant, args, trl_python, setup, n), args.timeout))
+                results.setdefault((setup, n), {}).setdefault(variant, []).append(out)
+                print(
+                    f"[{time.time() - started:6.0f}s] {setup} {n} {variant}: "
+                    f"{out.get('total', out['training']):.2f}s/iter "
+                    f"({time.time() - t0:.0f}s)",
+                    file=sys.stderr,
+                )
+        # keep the variants' order stable in the report
+        results[(setup, n)] = {v: results[(setup, n)][v] for v in args.variants}
+    print(
+        f"`{' '.join(['python', 'bench/trl_side_by_side.py', *sys.argv[1:]])}` "
+        f"(lppo settings: {' '.join(args.lppo) or 'defaults'}; {args.threads} threads)\n"
+    )
+    print(report(results, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""HFGenerateEngine's length knobs: ``rollout.ignore_eos`` and ``rollout.min_new_tokens``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lppo.models import HFCausalLM
+from lppo.rollout import HFGenerateEngine, RolloutSettings
+from lppo.tasks import CopyTask
+from lppo.tokenizer import build_char_tokenizer
+
+TASK = CopyTask()
+TOK = build_char_tokenizer(TASK.vocabulary())
+PROMPTS = TASK.sample_prompts(16, random.Random(0))
+
+
+def generate(**sampling):
+    model = HFCausalLM(seed=0).build(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+    engine = HFGenerateEngine()
+    # A high temperature makes EOS (1 of ~20 tokens) likely at every step.
+    engine.setup(model, TOK, RolloutSettings(temperature=50.0, **sampling))
+    return engine.generate(PROMPTS, samples_per_prompt=2, seed=3)
+
+
+def response(out, r):
+    return out.input_ids[r][out.response_mask[r]]
+
+
+def test_without_ignore_eos_responses_stop_at_eos() -> None:
+    out = generate(max_new_tokens=16)
+    lengths = [int(m.sum()) for m in out.response_mask]
+    assert min(lengths) < 16  # the knob below is not vacuous
+    for r in range(len(out)):
+        eos = (response(out, r) == TOK.eos_token_id).nonzero().flatten().tolist()
+        assert eos in ([], [lengths[r] - 1])
+
+
+def test_ignore_eos_gives_exactly_max_new_tokens() -> None:
+    out = generate(max_new_tokens=16, ignore_eos=True)
+    assert all(int(m.sum()) == 16 for m in out.response_mask)
+    assert not out.truncated.any()
+    inner = [(response(out, r)[:-1] == TOK.eos_token_id).any() for r in range(len(out))]
+    assert any(inner)  # EOS tokens were sampled and kept as ordinary tokens
+    assert all(lp[m].lt(0).all() for lp, m in zip(out.gen_logprobs, out.response_mask, strict=True))
+
+
+def test_min_new_tokens_suppresses_early_eos() -> None:
+    out = generate(max_new_tokens=16, min_new_tokens=10)
+    for r in range(len(out)):
+        assert not (response(out, r)[:10] == TOK.eos_token_id).any()
+        assert int(out.response_mask[r].sum()) >= 10
+
+
+def test_min_new_tokens_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"model\.rollout\.min_new_tokens=9"):
+        RolloutSettings(max_new_tokens=8, min_new_tokens=9)
+    with pytest.raises(ValueError, match=r"model\.rollout\.min_new_tokens=-1"):
+        RolloutSettings(min_new_tokens=-1)
