@@ -3,7 +3,8 @@
 Usage: ``python _trl_lppo.py ROOT SETUP N ITERATIONS THREADS [KEY=VALUE ...]`` where the
 optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs``
 (``recompute`` / ``rollout``), ``gen_batch`` (engine batch size, 0 = all rows) and
-``profile`` (a path: cProfile of the timed iterations is dumped there).
+``sort_by_length`` (``1``: length-sorted generation batches) and ``profile`` (a path:
+cProfile of the timed iterations is dumped there).
 
 The run is a real ``lppo.PPOTrainer.fit`` of a :class:`~lppo.PPOSystem` built on the
 benchmark's files (policy, critic backbone, reward model, tokenizer, prompts); the task serves
@@ -77,7 +78,11 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
         actor=ActorModule(HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5),
         critic=CriticModule(HFCausalLM(pretrained_path=os.path.join(root, "critic")), lr=1e-5),
         task=build_task(prompts),
-        engine=HFGenerateEngine(batch_size=gen_batch, prepend_bos=False),
+        engine=HFGenerateEngine(
+            batch_size=gen_batch,
+            prepend_bos=False,
+            sort_by_length=opts.get("sort_by_length", "0") == "1",
+        ),
         estimator=GAE(gamma=1.0, lam=0.95),
         reward_model=RewardModel(
             HFCausalLM(pretrained_path=os.path.join(root, "reward")),

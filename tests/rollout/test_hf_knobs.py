@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from lppo.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, RolloutSettings
@@ -58,3 +59,30 @@ def test_min_new_tokens_is_validated() -> None:
         RolloutSettings(max_new_tokens=8, min_new_tokens=9)
     with pytest.raises(ValueError, match=r"model\.rollout\.min_new_tokens=-1"):
         RolloutSettings(min_new_tokens=-1)
+
+
+def test_length_sorted_batches_come_back_in_prompt_order() -> None:
+    model = HFCausalLM(seed=0).build(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+    prompts = CopyTask(min_length=1, max_length=6).sample_prompts(12, random.Random(1))
+    widths: list[list[int]] = []
+    outputs = []
+    for sort in (False, True):
+        engine = HFGenerateEngine(batch_size=4, sort_by_length=sort)
+        engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
+        batch = engine._generate_batch
+        seen: list[int] = []
+
+        def record(rows, config, device, batch=batch, seen=seen):
+            seen.append(max(len(r) for r in rows))
+            return batch(rows, config, device)
+
+        engine._generate_batch = record  # type: ignore[method-assign]
+        outputs.append(engine.generate(prompts, samples_per_prompt=2, seed=0))
+        widths.append(seen)
+    assert widths[1] == sorted(widths[1]) and sum(widths[1]) < sum(widths[0])
+    plain, ordered = outputs
+    assert torch.equal(plain.prompt_index, ordered.prompt_index)
+    assert torch.equal(plain.prompt_lengths, ordered.prompt_lengths)
+    for r, p in enumerate(plain.prompt_lengths.tolist()):
+        assert torch.equal(ordered.input_ids[r][:p], plain.input_ids[r][:p])
+        assert not ordered.response_mask[r][:p].any() and ordered.response_mask[r][p:].all()
