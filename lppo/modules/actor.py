@@ -105,7 +105,8 @@ class ActorModule(PPOModule):
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
         out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
-        return out.logits / self.temperature
+        # x / 1.0 == x exactly: skip a pass over [B, T, V] at the default temperature.
+        return out.logits if self.temperature == 1.0 else out.logits / self.temperature
 
     def token_logprobs(
         self, chunk: Chunk, with_entropy: bool = False
@@ -157,7 +158,11 @@ class ActorModule(PPOModule):
         mask = chunk.response_mask
         loss = terms.loss
         if self.entropy_coef != 0.0:
+            entropy = torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
             loss = loss - self.entropy_coef * entropy
+        else:  # a diagnostic only: no autograd graph over [B, T, V] kept until backward
+            with torch.no_grad():
+                entropy = torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
         sums.add("policy_loss_sum", (terms.loss.detach() * mask).sum())
         sums.add("clipped", (terms.clipped & mask).sum())
         sums.add("approx_kl_sum", (terms.approx_kl * mask).sum())
