@@ -158,11 +158,7 @@ class ActorModule(PPOModule):
         mask = chunk.response_mask
         loss = terms.loss
         if self.entropy_coef != 0.0:
-            entropy = torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
             loss = loss - self.entropy_coef * entropy
-        else:  # a diagnostic only: no autograd graph over [B, T, V] kept until backward
-            with torch.no_grad():
-                entropy = torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
         sums.add("policy_loss_sum", (terms.loss.detach() * mask).sum())
         sums.add("clipped", (terms.clipped & mask).sum())
         sums.add("approx_kl_sum", (terms.approx_kl * mask).sum())
