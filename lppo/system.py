@@ -189,6 +189,12 @@ class PPOSystem(LightningModule):
         schedulers = [m.scheduler for m in modules if m.scheduler is not None]
         return (optimizers, schedulers) if schedulers else optimizers
 
+    def teardown(self, stage: str) -> None:
+        """Stop what the engine started (Ray rollout workers); other engines hold nothing."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the task's state (e.g. its position in a prompt file) to the checkpoint."""
         checkpoint["lppo_task"] = self.task.state_dict()
@@ -214,7 +220,10 @@ class PPOSystem(LightningModule):
         rollout = self.rollout_source.collect(iteration)
         # 2. score → advantages → critic epochs → actor epochs → release
         result = self.controller.run_iteration(
-            rollout, iteration, rollout_seconds=time.perf_counter() - clock
+            rollout,
+            iteration,
+            dropped=rollout.dropped,
+            rollout_seconds=time.perf_counter() - clock,
         )
         # 3. the engine samples the next rollout from the weights the actor phase produced
         self.rollout_source.sync()

@@ -38,6 +38,8 @@ class Rollout:
         reward: ``float32[n_rows]``; the sequence-level score of each row.
         prompt_index: ``int64[n_rows]``; which prompt of the batch each row answers.
         extras: any further per-row fields (``[L_i]`` token-level or 0-dim row-level tensors).
+        dropped: samples lost while producing the rollout (not in it; they count against the
+            drop budget).
     """
 
     input_ids: list[torch.Tensor]
@@ -46,6 +48,7 @@ class Rollout:
     reward: torch.Tensor
     prompt_index: torch.Tensor
     extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    dropped: int = 0
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -10,16 +10,19 @@ from lppo.rollout.base import (
     to_rollout,
 )
 from lppo.rollout.hf import HFGenerateEngine
+from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
 
 __all__ = [
     "TRUNCATED",
     "GenerationOutput",
     "HFGenerateEngine",
+    "RayWorkersEngine",
     "RewardError",
     "RolloutEngine",
     "RolloutSettings",
     "RolloutSource",
+    "RolloutWorkerError",
     "StaleWeightsError",
     "derive_seed",
     "score",

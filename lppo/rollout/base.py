@@ -38,6 +38,8 @@ class GenerationOutput:
         truncated: ``bool[n]``; ``True`` when a sample hit ``max_new_tokens`` without EOS.
         prompt_index: ``int64[n]``; index (into the ``prompts`` argument) each sample answers.
         prompt_lengths: ``int64[n]``; number of prompt tokens of each sample.
+        dropped: samples the engine lost for good (a worker that kept failing); they are
+            missing here and count against ``data.drop_budget``.
     """
 
     input_ids: list[torch.Tensor]
@@ -47,6 +49,7 @@ class GenerationOutput:
     truncated: torch.Tensor
     prompt_index: torch.Tensor
     prompt_lengths: torch.Tensor
+    dropped: int = 0
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -230,4 +233,5 @@ def to_rollout(
         reward=reward,
         prompt_index=output.prompt_index.to(torch.int64),
         extras=extras,
+        dropped=output.dropped,
     )

@@ -83,6 +83,7 @@ def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
         truncated=torch.cat([o.truncated for o in outputs]),
         prompt_index=torch.cat([o.prompt_index for o in outputs]),
         prompt_lengths=torch.cat([o.prompt_lengths for o in outputs]),
+        dropped=sum(o.dropped for o in outputs),
     )
 
 

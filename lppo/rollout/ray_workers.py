@@ -1,0 +1,250 @@
+"""``RayWorkersEngine``: N rollout workers as Ray actors, each with its own engine.
+
+Each worker is a Ray actor process holding its own copy of the policy inside its own engine
+(:class:`~lppo.rollout.HFGenerateEngine` on CPU by default, configured by ``engine``). A
+``generate`` call cuts the prompts into ``num_workers`` contiguous parts; part ``p`` samples
+from a seed derived from ``(seed, p)`` (part 0 keeps ``seed``), so a part's samples do not
+depend on which worker runs it: a replaced worker retrying a part samples exactly what the
+dead one would have. Results depend on ``num_workers`` as they do on the seed.
+
+Weights: :meth:`sync_from` puts the policy's state dict into Ray's object store once and every
+worker loads it and reports the version; every part's result carries the version the worker
+sampled from, and a part sampled from another version than :attr:`weights_version` is refused.
+
+Failures: every wait is bounded by ``timeout_s`` and fails with :class:`RolloutWorkerError`
+naming the worker and the knob. A worker that died (killed, crashed) is replaced by a fresh
+actor loaded with the current weights and its part is retried, up to ``max_restarts`` times
+per call; a part that still fails is dropped: its samples are missing from the output and
+counted in :attr:`~lppo.rollout.GenerationOutput.dropped`, so they count against
+``data.drop_budget``.
+
+Ray comes from :mod:`lppo.ray_runtime` (a local Ray on loopback unless ``address`` is given);
+:meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from lppo.ray_runtime import RaySettings, acquire_ray, ray_module, release_ray
+from lppo.rollout.base import GenerationOutput, RolloutEngine, RolloutSettings
+from lppo.rollout.hf import HFGenerateEngine
+from lppo.rollout.source import concat_outputs, derive_seed
+from lppo.tasks.base import Prompt
+
+__all__ = ["RayWorkersEngine", "RolloutWorker", "RolloutWorkerError"]
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker did not answer in time, or failed in a way a retry cannot fix."""
+
+
+class RolloutWorker:
+    """The body of one rollout worker actor: an engine over its own copy of the policy.
+
+    Args:
+        engine: the engine (pickled into the worker; set up here on the worker's policy).
+        policy: the causal LM (a copy, loaded with the trainer's weights by :meth:`load`).
+        tokenizer: the policy's tokenizer.
+        sampling: the sampling settings.
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, policy: torch.nn.Module, tokenizer: Any, sampling: Any
+    ) -> None:
+        torch.set_num_threads(1)  # workers share the machine's cores with the trainer
+        self.engine = engine
+        self.engine.setup(policy, tokenizer, sampling)
+        self.policy = policy
+
+    def load(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Load the trainer's weights ``state`` as ``version``; return the version now held."""
+        self.policy.load_state_dict(state)
+        self.engine.sync_from(self.policy, version)
+        return self.engine.weights_version
+
+    def generate(
+        self, prompts: list[Prompt], samples_per_prompt: int, seed: int
+    ) -> tuple[GenerationOutput, int]:
+        """The engine's samples and the weights version they were sampled from."""
+        output = self.engine.generate(prompts, samples_per_prompt, seed)
+        return output, self.engine.weights_version
+
+    def where(self) -> tuple[int, str]:
+        """The worker's process id and the id of the Ray node it runs on."""
+        import os
+
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+class RayWorkersEngine:
+    """A :class:`~lppo.rollout.RolloutEngine` whose samples come from N Ray actor workers.
+
+    Args:
+        num_workers: rollout worker actors (one logical Ray CPU each).
+        engine: the engine each worker runs (``null``: ``HFGenerateEngine()``).
+        address: Ray cluster to attach to (``"auto"`` or ``"HOST:PORT"``); ``null`` starts a
+            local Ray bound to ``127.0.0.1``. Must match the Ray settings of a
+            TransferQueue store used in the same run.
+        num_cpus: logical CPUs of a local Ray (ignored when attaching).
+        temp_dir: session directory root of a local Ray (``null``: Ray's default).
+        timeout_s: longest wait for any worker call (start, weight load, one part).
+        max_restarts: worker replacements per ``generate`` call before a part is dropped.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        engine: RolloutEngine | None = None,
+        address: str | None = None,
+        num_cpus: int = 4,
+        temp_dir: str | None = None,
+        timeout_s: float = 300.0,
+        max_restarts: int = 2,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"model.engine.init_args.num_workers={num_workers} must be >= 1.")
+        if not timeout_s > 0:
+            raise ValueError(f"model.engine.init_args.timeout_s={timeout_s} must be > 0.")
+        if max_restarts < 0:
+            raise ValueError(f"model.engine.init_args.max_restarts={max_restarts} must be >= 0.")
+        self.num_workers = num_workers
+        self.engine: RolloutEngine = engine if engine is not None else HFGenerateEngine()
+        self.ray_settings = RaySettings(address=address, num_cpus=num_cpus, temp_dir=temp_dir)
+        self.timeout_s = timeout_s
+        self.max_restarts = max_restarts
+        self.weights_version = 0
+        self.workers: list[Any] = []
+        self.restarts = 0  # workers replaced so far (reported, tested)
+        self._spawn: Any = None
+        self._weights: Any = None  # object ref of the latest state dict
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, policy: torch.nn.Module, tokenizer: Any, sampling: RolloutSettings) -> None:
+        """Start Ray (or attach) and the workers, each with a copy of ``policy``."""
+        ray = ray_module()
+        acquire_ray(self.ray_settings)
+        # SPREAD: on a cluster of several nodes the workers land on different nodes.
+        actor_class = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker).options(
+            scheduling_strategy="SPREAD"
+        )
+        policy_ref = ray.put(_cpu_copy(policy))
+        args = (self.engine, policy_ref, tokenizer, sampling)
+        self._spawn = lambda: actor_class.remote(*args)
+        self.workers = [self._spawn() for _ in range(self.num_workers)]
+        self._wait([w.where.remote() for w in self.workers], "start")
+        self._weights = ray.put(_state(policy))
+        self._load_all()
+
+    def close(self) -> None:
+        """Kill the workers and release Ray (stopping it if lppo started it here)."""
+        if not self.workers and self._spawn is None:
+            return
+        ray = ray_module()
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers, self._spawn, self._weights = [], None, None
+        release_ray()
+
+    def sync_from(self, policy: torch.nn.Module, version: int) -> None:
+        """Publish ``policy``'s weights as ``version`` to every worker (waits for all)."""
+        self._weights = ray_module().put(_state(policy))
+        self.weights_version = version
+        self._load_all()
+
+    def _load_all(self) -> None:
+        refs = [w.load.remote(self._weights, self.weights_version) for w in self.workers]
+        versions = self._wait(refs, "weight load")
+        if any(v != self.weights_version for v in versions):
+            raise RolloutWorkerError(
+                f"workers report weights versions {versions} after loading version "
+                f"{self.weights_version}."
+            )
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, prompts: list[Prompt], samples_per_prompt: int, seed: int
+    ) -> GenerationOutput:
+        """Samples of every part, in prompt order (parts lost for good are left out)."""
+        ray = ray_module()
+        size = -(-len(prompts) // self.num_workers)
+        parts = [(p, start) for p, start in enumerate(range(0, len(prompts), size))]
+        pending = {p: self._submit(p, prompts, size, samples_per_prompt, seed) for p, _ in parts}
+        done: dict[int, GenerationOutput] = {}
+        dropped, restarts = 0, 0
+        while pending:
+            p, ref = next(iter(pending.items()))
+            try:
+                output, version = self._wait([ref], f"generate (part {p})")[0]
+            except ray.exceptions.RayActorError:
+                del pending[p]
+                if restarts >= self.max_restarts:
+                    count = len(prompts[p * size : (p + 1) * size]) * samples_per_prompt
+                    dropped += count
+                    continue
+                restarts += 1
+                self._replace(p % self.num_workers)
+                pending[p] = self._submit(p, prompts, size, samples_per_prompt, seed)
+                continue
+            del pending[p]
+            if version != self.weights_version:
+                raise RolloutWorkerError(
+                    f"worker {p % self.num_workers} sampled from weights version {version}, "
+                    f"not {self.weights_version}."
+                )
+            output.prompt_index = output.prompt_index + p * size
+            done[p] = output
+        if not done:
+            raise RolloutWorkerError(
+                f"every part of the rollout was lost ({dropped} samples) after {restarts} "
+                "worker restarts; see the workers' logs, or raise "
+                "model.engine.init_args.max_restarts."
+            )
+        out = concat_outputs([done[p] for p in sorted(done)])
+        out.dropped = dropped
+        return out
+
+    def _submit(self, p: int, prompts: list[Prompt], size: int, k: int, seed: int) -> Any:
+        worker = self.workers[p % self.num_workers]
+        part_seed = derive_seed(seed, "part", p) if p else seed
+        return worker.generate.remote(prompts[p * size : (p + 1) * size], k, part_seed)
+
+    def _replace(self, index: int) -> None:
+        """A fresh worker in slot ``index``, loaded with the current weights."""
+        ray = ray_module()
+        ray.kill(self.workers[index], no_restart=True)
+        self.workers[index] = self._spawn()
+        self.restarts += 1
+        load = self.workers[index].load.remote(self._weights, self.weights_version)
+        self._wait([load], f"weight load (replacement worker {index})")
+
+    def _wait(self, refs: list[Any], what: str) -> list[Any]:
+        """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the knob."""
+        ray = ray_module()
+        start = time.monotonic()
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as error:
+            raise RolloutWorkerError(
+                f"rollout workers did not finish {what} within "
+                f"model.engine.init_args.timeout_s={self.timeout_s} s "
+                f"(waited {time.monotonic() - start:.1f} s); a worker may be hung or the "
+                "cluster out of CPUs. Raise timeout_s or check the Ray cluster."
+            ) from error
+
+
+def _cpu_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A CPU copy of ``policy`` for the workers (the trainer's module is left alone)."""
+    import copy
+
+    return copy.deepcopy(policy).cpu()
+
+
+def _state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``policy``'s state dict, detached on CPU (what workers load)."""
+    return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}

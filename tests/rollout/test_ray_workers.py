@@ -1,0 +1,146 @@
+"""``RayWorkersEngine``: real Ray actor workers, each with its own Hugging Face engine."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import threading
+
+import psutil
+import pytest
+import torch
+
+from lppo.models import HFCausalLM
+from lppo.rollout import GenerationOutput, HFGenerateEngine, RolloutSettings, to_rollout
+from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
+from lppo.rollout.source import derive_seed
+from lppo.tasks import CopyTask
+from lppo.tokenizer import build_char_tokenizer
+
+TASK = CopyTask()
+TOK = build_char_tokenizer(TASK.vocabulary())
+SAMPLING = RolloutSettings(samples_per_prompt=2, max_new_tokens=4)
+SEED = 17
+
+pytestmark = pytest.mark.slow
+#: The Ray settings of the test session (tests/_tq.py's, so Ray is shared with TransferQueue).
+STORE_ARGS = {
+    "num_cpus": 4,
+    "temp_dir": os.path.join(tempfile.gettempdir(), f"lppo-tests-{os.getpid()}"),
+}
+
+
+def ray_processes() -> set[int]:
+    """Live descendants of this process (a local Ray's GCS, raylet, workers and actors)."""
+    alive = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def policy(seed: int) -> torch.nn.Module:
+    spec = HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=seed)
+    return spec.build(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+
+
+def in_process(model: torch.nn.Module, prompts, parts: int) -> list[list[int]]:
+    """What each worker part must produce: the in-process engine on the same part and seed."""
+    engine = HFGenerateEngine()
+    engine.setup(model, TOK, SAMPLING)
+    size = -(-len(prompts) // parts)
+    rows = []
+    for p in range(parts):
+        seed = derive_seed(SEED, "part", p) if p else SEED
+        out = engine.generate(prompts[p * size : (p + 1) * size], 2, seed)
+        rows += [t.tolist() for t in out.input_ids]
+    return rows
+
+
+def rows(output: GenerationOutput) -> list[list[int]]:
+    return [t.tolist() for t in output.input_ids]
+
+
+@pytest.fixture(scope="module")
+def workers():
+    engine = RayWorkersEngine(num_workers=2, timeout_s=120, **STORE_ARGS)
+    engine.setup(policy(0), TOK, SAMPLING)
+    yield engine
+    engine.close()
+
+
+PROMPTS = TASK.sample_prompts(6, random.Random(0))
+
+
+def test_workers_sample_what_the_in_process_engine_samples(workers):
+    out = workers.generate(PROMPTS, 2, SEED)
+    assert rows(out) == in_process(policy(0), PROMPTS, 2)
+    assert out.prompt_index.tolist() == [i for i in range(6) for _ in range(2)]
+    assert out.dropped == 0
+    pids = {pid for pid, _ in workers._wait([w.where.remote() for w in workers.workers], "x")}
+    assert len(pids) == 2  # two separate worker processes
+
+
+def test_every_worker_samples_from_the_new_weights_after_a_sync(workers):
+    new = policy(5)  # other weights, same architecture
+    workers.sync_from(new, version=workers.weights_version + 1)
+    versions = workers._wait([w.load.remote(workers._weights, 9) for w in workers.workers], "x")
+    assert versions == [9, 9]
+    workers._load_all()  # back to the engine's version everywhere
+    out = workers.generate(PROMPTS, 2, SEED)
+    # Part 0 ran on worker 0, part 1 on worker 1: each matches the new weights, not the old.
+    assert rows(out) == in_process(new, PROMPTS, 2)
+    assert rows(out) != in_process(policy(0), PROMPTS, 2)
+
+
+def test_a_killed_worker_is_replaced_and_its_part_retried(workers):
+    import ray
+
+    want = rows(workers.generate(PROMPTS, 2, SEED))
+    before = workers.restarts
+    got: list[GenerationOutput] = []
+    thread = threading.Thread(target=lambda: got.append(workers.generate(PROMPTS, 2, SEED)))
+    thread.start()
+    ray.kill(workers.workers[1], no_restart=True)  # mid-rollout
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert rows(got[0]) == want  # the replacement sampled exactly what the dead worker would
+    assert workers.restarts == before + 1 and got[0].dropped == 0
+
+
+def test_lost_parts_are_dropped_and_counted(workers):
+    import ray
+
+    workers.max_restarts = 0
+    try:
+        ray.kill(workers.workers[1], no_restart=True)
+        out = workers.generate(PROMPTS, 2, SEED)
+    finally:
+        workers.max_restarts = 2
+        workers._replace(1)
+    assert out.dropped == 6  # part 1: 3 prompts x 2 samples
+    assert to_rollout(out, [0.0] * len(out)).dropped == 6  # -> the controller's drop budget
+    assert out.prompt_index.tolist() == [i for i in range(3) for _ in range(2)]
+
+
+def test_waits_are_bounded(workers):
+    workers.timeout_s = 1e-4
+    try:
+        with pytest.raises(RolloutWorkerError, match=r"model\.engine\.init_args\.timeout_s"):
+            workers.generate(PROMPTS, 2, SEED)
+    finally:
+        workers.timeout_s = 120
+
+
+def test_close_leaves_no_worker_process():
+    engine = RayWorkersEngine(num_workers=1, timeout_s=120, **STORE_ARGS)
+    engine.setup(policy(0), TOK, SAMPLING)
+    [(pid, _)] = engine._wait([w.where.remote() for w in engine.workers], "where")
+    assert pid in ray_processes()
+    engine.close()
+    psutil.wait_procs([psutil.Process(pid)], timeout=30)
+    assert pid not in ray_processes()
