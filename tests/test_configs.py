@@ -36,7 +36,14 @@ def test_config_learns(tmp_path, config):
 def test_every_config_is_exercised():
     """A new config under configs/ must get a test here."""
     names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
-    assert names == ["dataset.yaml", "grpo.yaml", "megatron.yaml", "tiny.yaml", "tq.yaml"]
+    assert names == [
+        "dataset.yaml",
+        "grpo.yaml",
+        "megatron.yaml",
+        "ray_workers.yaml",
+        "tiny.yaml",
+        "tq.yaml",
+    ]
 
 
 def test_dataset_config_runs(tmp_path, monkeypatch):
@@ -92,8 +99,18 @@ def fit_megatron(tmp_path, *args: str) -> dict:
     config = str(ROOT / "configs" / "megatron.yaml")
     install()
     try:
-        run(["fit", "--config", config, "--trainer.accelerator", "cpu",
-             "--trainer.default_root_dir", str(tmp_path), *args])
+        run(
+            [
+                "fit",
+                "--config",
+                config,
+                "--trainer.accelerator",
+                "cpu",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                *args,
+            ]
+        )
     finally:
         uninstall()
     return json.loads((tmp_path / "summary.json").read_text())
@@ -112,3 +129,30 @@ def test_megatron_config_learns(tmp_path):
     summary = fit_megatron(tmp_path)
     assert summary["iterations"] == 80
     assert summary["reward_last_mean"] > summary["reward_first_mean"] + 0.3, summary
+
+
+@pytest.mark.distributed
+def test_ray_workers_config_runs(tmp_path):
+    """``configs/ray_workers.yaml`` (2 Ray rollout workers + TransferQueue), shortened to 2
+    iterations, on the session's Ray (same settings, so the fit attaches to it)."""
+    import _tq
+
+    _tq.start()
+    run(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "ray_workers.yaml"),
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--data.store.init_args.temp_dir",
+            _tq.TEMP_DIR,
+            "--model.engine.init_args.temp_dir",
+            _tq.TEMP_DIR,
+        ]
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 2
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()

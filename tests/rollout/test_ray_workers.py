@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 import threading
 
 import psutil
 import pytest
 import torch
+from _tq import STORE_ARGS, ray_processes
 
 from lppo.models import HFCausalLM
 from lppo.rollout import GenerationOutput, HFGenerateEngine, RolloutSettings, to_rollout
@@ -24,23 +23,6 @@ SAMPLING = RolloutSettings(samples_per_prompt=2, max_new_tokens=4)
 SEED = 17
 
 pytestmark = pytest.mark.slow
-#: The Ray settings of the test session (tests/_tq.py's, so Ray is shared with TransferQueue).
-STORE_ARGS = {
-    "num_cpus": 4,
-    "temp_dir": os.path.join(tempfile.gettempdir(), f"lppo-tests-{os.getpid()}"),
-}
-
-
-def ray_processes() -> set[int]:
-    """Live descendants of this process (a local Ray's GCS, raylet, workers and actors)."""
-    alive = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                alive.add(proc.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def policy(seed: int) -> torch.nn.Module:
