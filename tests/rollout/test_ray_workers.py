@@ -122,6 +122,7 @@ def test_close_leaves_no_worker_process(workers):
     """Last in the module: closes the module's engine (its fixture's close is then a no-op)."""
     pids = [pid for pid, _ in workers._wait([w.where.remote() for w in workers.workers], "x")]
     assert set(pids) <= set(ray_processes())
+    procs = [psutil.Process(pid) for pid in pids]
     workers.close()
-    psutil.wait_procs([psutil.Process(pid) for pid in pids], timeout=60)
+    psutil.wait_procs(procs, timeout=60)
     assert not set(pids) & set(ray_processes())
