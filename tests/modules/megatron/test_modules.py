@@ -245,3 +245,27 @@ def test_policy_is_a_hugging_face_llama_refreshed_after_steps():
 def test_a_reference_copy_is_refused_with_the_fix():
     with pytest.raises(TypeError, match="kl_coef: 0"):
         copy.deepcopy(make("actor"))
+
+
+def test_no_data_parallel_sync_before_finish_and_exactly_one_in_it():
+    """Chunks only accumulate; megatron's bucket reduce starts once per step, in finish."""
+    store, epoch = plan_for(6, 3, budget_slack=0)
+    module = make("critic")
+    calls: list[str] = []
+    for group in module.ddp.bucket_groups:
+        original = group.start_grad_sync
+
+        def counted(*args, _original=original, **kwargs):
+            calls.append("start")
+            return _original(*args, **kwargs)
+
+        group.start_grad_sync = counted
+    step = epoch.steps[0]
+    module.begin(step)
+    chunks = list(iter_chunks(store, step, NAMES["critic"]))
+    assert len(chunks) >= 3
+    for chunk in chunks:
+        module.train_chunk(chunk)
+    assert calls == []
+    module.finish()
+    assert calls == ["start"] * len(module.ddp.bucket_groups)
