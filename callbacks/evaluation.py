@@ -18,6 +18,8 @@ from lppo.callbacks.metrics_logger import PPOMetricsLogger
 from lppo.hooks import PPOCallback
 from lppo.rollout.base import GenerationOutput, RewardError, RolloutEngine, score
 from lppo.tasks.base import Prompt, Task
+from lppo.types import iteration_label
+from lppo.validation import callback_key, check_number
 
 if TYPE_CHECKING:
     from lppo.system import PPOSystem
@@ -190,8 +192,8 @@ class Evaluation(PPOCallback):
             ("num_prompts", num_prompts),
             ("samples_per_prompt", samples_per_prompt),
         ):
-            if value < 1:
-                raise ValueError(f"Evaluation.{key}={value} must be >= 1.")
+            check_number(callback_key(self, key), value, integer=True, low=1)
+        check_number(callback_key(self, "seed"), seed, integer=True, low=0)
         if greedy and samples_per_prompt != 1:
             raise ValueError(
                 f"Evaluation.greedy=true gives {samples_per_prompt} identical samples per "
@@ -301,7 +303,9 @@ class Evaluation(PPOCallback):
             try:
                 rewards = score(task, prompts, output).tolist()
             except RewardError as error:
-                raise RewardError(f"{self.prefix} after iteration {iteration}: {error}") from error
+                raise RewardError(
+                    f"{self.prefix} after {iteration_label(iteration)}: {error}"
+                ) from error
         lengths = [float(m.sum()) for m in output.response_mask]
         metrics = evaluation_metrics(rewards, lengths, self.samples_per_prompt)
         metrics["seconds"] = time.perf_counter() - clock

@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lppo.callbacks.reward_plot import run_dir
 
+from lppo.validation import callback_key, check_number
+
 
 class HFExport(Callback):
     """At ``on_train_end`` (global rank zero) writes ``<directory>/policy`` (and ``critic``).
@@ -35,10 +37,14 @@ class HFExport(Callback):
         every_n_iterations: int | None = None,
     ) -> None:
         super().__init__()
-        if every_n_iterations is not None and every_n_iterations < 1:
-            raise ValueError(
-                f"HFExport.every_n_iterations={every_n_iterations} must be >= 1 (or null)."
-            )
+        check_number(
+            callback_key(self, "every_n_iterations"),
+            every_n_iterations,
+            integer=True,
+            low=1,
+            optional=True,
+            fix="null exports once, at the end of the run.",
+        )
         self.directory = directory
         self.critic = critic
         self.every_n_iterations = every_n_iterations

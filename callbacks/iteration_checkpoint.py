@@ -7,6 +7,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lppo.loop import allow_checkpoint_without_new_step
+from lppo.validation import callback_key, check_number
 
 
 class IterationCheckpoint(ModelCheckpoint):
@@ -31,6 +32,16 @@ class IterationCheckpoint(ModelCheckpoint):
         every_n_iterations: int = 1,
         save_last: bool = True,
     ) -> None:
+        check_number(
+            callback_key(self, "save_top_k"),
+            save_top_k,
+            integer=True,
+            low=-1,
+            fix="-1 keeps every iteration's checkpoint, 0 none besides last.ckpt.",
+        )
+        check_number(
+            callback_key(self, "every_n_iterations"), every_n_iterations, integer=True, low=1
+        )
         super().__init__(
             dirpath=dirpath,
             filename=filename,

@@ -11,7 +11,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
 
 from lppo.hooks import IterationContext, PPOCallback
-from lppo.types import IterationResult
+from lppo.types import IterationResult, iteration_label
+from lppo.validation import callback_key, check_number
 
 
 def _fmt(value: float) -> str:
@@ -53,8 +54,10 @@ class PPOProgress(PPOCallback):
         self, refresh_seconds: float = 0.2, tty: bool | None = None, every_n_iterations: int = 1
     ) -> None:
         super().__init__()
-        if every_n_iterations < 1:
-            raise ValueError(f"PPOProgress.every_n_iterations={every_n_iterations} must be >= 1.")
+        check_number(callback_key(self, "refresh_seconds"), refresh_seconds, low=0)
+        check_number(
+            callback_key(self, "every_n_iterations"), every_n_iterations, integer=True, low=1
+        )
         self.refresh_seconds = refresh_seconds
         self.tty = tty
         self.every_n_iterations = every_n_iterations
@@ -96,7 +99,7 @@ class PPOProgress(PPOCallback):
     # ------------------------------------------------------------------ text
     def _iteration_text(self, iteration: int) -> str:
         total = self.total if self.total is not None else "?"
-        return f"iteration {iteration + 1}/{total}"
+        return f"{iteration_label(iteration)}/{total}"
 
     def position(self, ctx: IterationContext) -> str:
         """The position line for ``ctx``."""

@@ -15,6 +15,7 @@ from lppo.callbacks.reward_plot import RewardCurve, run_dir
 
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.types import IterationResult
+from lppo.validation import callback_key, check_number
 
 
 def _finite_mean(values: list[float]) -> float | None:
@@ -51,8 +52,7 @@ class RunSummary(PPOCallback):
         self, filename: str = "summary.json", window: int = 3, print_summary: bool = True
     ) -> None:
         super().__init__()
-        if window < 1:
-            raise ValueError(f"RunSummary.window={window} must be >= 1.")
+        check_number(callback_key(self, "window"), window, integer=True, low=1)
         self.filename = filename
         self.window = window
         self.print_summary = print_summary

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lppo.algorithms.kl import KLKind
+from lppo.validation import SettingError, check_number
 
 
 @dataclass(frozen=True)
@@ -56,36 +57,41 @@ class PPOConfig:
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
 
     def __post_init__(self) -> None:
-        """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
+        """Raise ``SettingError`` naming the key, the value and the fix for a bad setting."""
         for key in ("critic_epochs", "critic_minibatches", "actor_epochs", "actor_minibatches"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.ppo.{key}={value!r} must be an integer >= 1.")
-        if (
-            not isinstance(self.max_consecutive_skipped_steps, int)
-            or self.max_consecutive_skipped_steps < 0
-        ):
-            raise ValueError(
-                "model.ppo.max_consecutive_skipped_steps="
-                f"{self.max_consecutive_skipped_steps!r} must be an integer >= 0."
-            )
-        if self.max_abs_reward is not None and not 0 < self.max_abs_reward < float("inf"):
-            raise ValueError(
-                f"model.ppo.max_abs_reward={self.max_abs_reward} must be finite and > 0, or null."
-            )
-        if self.max_skipped_steps is not None and self.max_skipped_steps < 0:
-            raise ValueError(
-                f"model.ppo.max_skipped_steps={self.max_skipped_steps} must be >= 0 or null."
-            )
-        if self.kl_coef < 0:
-            raise ValueError(f"model.ppo.kl_coef={self.kl_coef} must be >= 0 (0 disables it).")
+            check_number(f"model.ppo.{key}", getattr(self, key), integer=True, low=1)
+        check_number(
+            "model.ppo.max_consecutive_skipped_steps",
+            self.max_consecutive_skipped_steps,
+            integer=True,
+            low=0,
+        )
+        check_number(
+            "model.ppo.max_abs_reward",
+            self.max_abs_reward,
+            low=0,
+            low_open=True,
+            optional=True,
+            fix="null: only non-finite rewards make rows invalid.",
+        )
+        check_number(
+            "model.ppo.max_skipped_steps",
+            self.max_skipped_steps,
+            integer=True,
+            low=0,
+            optional=True,
+            fix="null: no limit over the run.",
+        )
+        check_number("model.ppo.kl_coef", self.kl_coef, low=0, fix="0 disables the KL penalty.")
         if self.kl_kind not in ("k1", "k2", "k3"):
-            raise ValueError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
+            raise SettingError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
         if self.old_logprobs not in ("recompute", "rollout"):
-            raise ValueError(
+            raise SettingError(
                 f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'recompute' or 'rollout'."
             )
-        if self.critic_warmup_iterations < 0:
-            raise ValueError(
-                f"model.ppo.critic_warmup_iterations={self.critic_warmup_iterations} must be >= 0."
-            )
+        check_number(
+            "model.ppo.critic_warmup_iterations",
+            self.critic_warmup_iterations,
+            integer=True,
+            low=0,
+        )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 
 from lppo.config import PPOConfig
-from lppo.types import IterationResult, StepStats
+from lppo.types import IterationResult, StepStats, iteration_label
 
 if TYPE_CHECKING:
     from lppo.modules.lifecycle import ChunkResult, PPOModule
@@ -63,14 +63,17 @@ class IterationContext:
     info: dict[str, Any] = field(default_factory=dict)
 
     def where(self) -> str:
-        """Human-readable position, e.g. ``iteration 3, phase critic, epoch 1, chunk 4``."""
-        parts = [f"iteration {self.iteration}", f"phase {self.phase}"]
+        """Human-readable position, counted from 1 like the progress output.
+
+        For example ``iteration 3, phase critic, epoch 1, chunk 4``.
+        """
+        parts = [iteration_label(self.iteration), f"phase {self.phase}"]
         if self.epoch >= 0:
-            parts.append(f"epoch {self.epoch}")
+            parts.append(f"epoch {self.epoch + 1}")
         if self.minibatch > 0:
-            parts.append(f"minibatch {self.minibatch}")
+            parts.append(f"minibatch {self.minibatch + 1}")
         if self.chunk >= 0:
-            parts.append(f"chunk {self.chunk}")
+            parts.append(f"chunk {self.chunk + 1}")
         return ", ".join(parts)
 
 

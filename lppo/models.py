@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from lppo.validation import SettingError, check_number
+
 ARCHITECTURES = ("llama", "gpt2")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -79,8 +81,6 @@ class HFCausalLM:
     ) -> None:
         if pretrained_path is None and architecture not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {architecture!r}; known: {ARCHITECTURES}")
-        if hidden_size % num_heads != 0:
-            raise ValueError(f"hidden_size ({hidden_size}) not divisible by num_heads")
         self.pretrained_path = pretrained_path
         self.architecture = architecture
         self.hidden_size = hidden_size
@@ -92,6 +92,27 @@ class HFCausalLM:
         self.torch_dtype = resolve_dtype(dtype)
         self.seed = seed
         self.attn_implementation = attn_implementation
+
+    def validate(self, key: str) -> None:
+        """Check the numeric settings; ``key`` is where the owner holds this spec (messages).
+
+        The owner (actor, critic or reward model) calls it, since only the owner knows the
+        spec's place in the configuration.
+
+        Raises:
+            SettingError: naming ``<key>.<setting>``, the value and the allowed range.
+        """
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            check_number(f"{key}.{name}", getattr(self, name), integer=True, low=1)
+        check_number(
+            f"{key}.max_position_embeddings", self.max_position_embeddings, integer=True, low=1
+        )
+        check_number(f"{key}.seed", self.seed, integer=True, low=0)
+        if self.hidden_size % self.num_heads:
+            raise SettingError(
+                f"{key}.hidden_size={self.hidden_size} is not divisible by "
+                f"{key}.num_heads={self.num_heads}; choose sizes with hidden_size % num_heads == 0."
+            )
 
     def make_config(
         self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int

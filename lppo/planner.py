@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lppo.types import Normalizers, RowMeta, StepPlan
+from lppo.types import Normalizers, RowMeta, StepPlan, iteration_label
+from lppo.validation import check_number
 
 
 class DropBudgetExceeded(RuntimeError):
@@ -135,24 +136,34 @@ class ChunkPlanner:
         max_tokens_per_score_chunk: int | None = None,
     ) -> None:
         score_budget = max_tokens_per_score_chunk
+        check_number(
+            "data.max_tokens_per_score_chunk",
+            score_budget,
+            integer=True,
+            low=1,
+            optional=True,
+            fix="null: the training budget, data.max_tokens_per_chunk.",
+        )
         if score_budget is not None and (max_row_length or 1) > score_budget:
             raise ValueError(
                 f"data.max_tokens_per_score_chunk={score_budget} is below the longest possible "
                 f"row ({max_row_length or 1} tokens); raise it to at least that, or set it to "
                 "null (the training budget, data.max_tokens_per_chunk)."
             )
-        if max_tokens_per_chunk < 1:
-            raise ValueError(
-                f"data.max_tokens_per_chunk={max_tokens_per_chunk} must be >= 1; "
-                "set it to at least the longest row (prompt + max_new_tokens)."
-            )
+        check_number(
+            "data.max_tokens_per_chunk",
+            max_tokens_per_chunk,
+            integer=True,
+            low=1,
+            fix="Set it to at least the longest row (prompt + max_new_tokens).",
+        )
+        check_number("data.drop_budget", drop_budget, integer=True, low=0)
+        check_number("data.seed", seed, integer=True, low=0)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"data-parallel rank={rank} world_size={world_size} is inconsistent; "
                 "need world_size >= 1 and 0 <= rank < world_size."
             )
-        if drop_budget < 0:
-            raise ValueError(f"data.drop_budget={drop_budget} must be >= 0.")
         if minibatches < 1:
             raise ValueError(f"minibatches={minibatches} must be >= 1.")
         if max_row_length is not None and max_tokens_per_chunk < max_row_length:
@@ -272,7 +283,7 @@ class ChunkPlanner:
             )
         if not valid:
             raise NoValidRows(
-                f"none of the {rows} rows of iteration {iteration} has a valid "
+                f"none of the {rows} rows of {iteration_label(iteration)} has a valid "
                 "response token; nothing can be trained (check response masking, overlong "
                 "filtering and the rollout engine)."
             )
@@ -346,9 +357,7 @@ class ChunkPlanner:
             padding_fraction=1.0 - used / slots if slots else 0.0,
         )
 
-    def _pack(
-        self, rows: list[int], length: Sequence[int], budget: int
-    ) -> list[tuple[int, ...]]:
+    def _pack(self, rows: list[int], length: Sequence[int], budget: int) -> list[tuple[int, ...]]:
         """Greedy packing of rows, longest first, so ``len(chunk) × longest ≤ budget``."""
         ordered = sorted(rows, key=lambda i: -length[i])
         chunks: list[tuple[int, ...]] = []

@@ -22,6 +22,7 @@ from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task
 from lppo.tokenizer import build_char_tokenizer
 from lppo.types import IterationResult
+from lppo.validation import check_number
 
 __all__ = ["PPOSystem", "RolloutSettings"]
 
@@ -104,6 +105,15 @@ class PPOSystem(LightningModule):
         self.rollout = rollout
         self.ppo = ppo
         self.tokenizer_path = tokenizer_path
+        check_number("model.seed", seed, integer=True, low=0)
+        check_number(
+            "model.num_threads",
+            num_threads,
+            integer=True,
+            low=1,
+            optional=True,
+            fix="null keeps torch's default.",
+        )
         self.seed = seed
         self.num_threads = num_threads
         self.reference: ActorModule | None = None

@@ -237,3 +237,12 @@ class IterationResult:
     def phase_steps(self, role: str) -> list[StepStats]:
         """Steps of ``role`` (``actor`` or ``critic``)."""
         return [s for s in self.steps if s.role == role]
+
+
+def iteration_label(iteration: int) -> str:
+    """``iteration k`` for the 0-based index ``k - 1``: every message counts iterations from 1.
+
+    Errors, warnings and the progress output all name iterations through this function, so
+    the iteration an error names is the one the progress line showed.
+    """
+    return f"iteration {iteration + 1}"

@@ -127,7 +127,7 @@ def test_no_valid_row_fails_before_any_optimizer_step_and_releases():
     store = CountingStore()
     ctl = make_controller(store, drop_budget=10)
     before = copy.deepcopy(ctl.actor.state_dict()), copy.deepcopy(ctl.critic.state_dict())
-    with pytest.raises(IterationError, match="iteration 0, phase score") as info:
+    with pytest.raises(IterationError, match="iteration 1, phase score") as info:
         ctl.run_iteration(make_rollout(3, 3, invalid=3), iteration=0)
     assert isinstance(info.value.__cause__, NoValidRows)
     assert ctl.actor.optimizer is None and ctl.critic.optimizer is None
@@ -147,7 +147,7 @@ def test_failure_mid_phase_aborts_step_releases_rows_and_names_location():
     store = CountingStore()
     ctl = make_controller(store, callbacks=[Boom()], critic_epochs=2)
     actor_before = copy.deepcopy(ctl.actor.state_dict())
-    with pytest.raises(IterationError, match=r"iteration 4, phase critic, epoch 1, chunk 0: "):
+    with pytest.raises(IterationError, match=r"iteration 5, phase critic, epoch 2, chunk 1: "):
         ctl.run_iteration(make_rollout(4, 4), iteration=4)
     assert not ctl.critic.step_open
     assert all(p.grad is None for p in ctl.critic.parameters())
@@ -299,7 +299,7 @@ def test_skipped_steps_are_warned_and_budgeted(limits, fails_at, key):
         assert not result.phase_steps("actor")[0].stepped
         assert result.phase_steps("critic")[0].stepped  # the critic trains on
     with pytest.raises(
-        IterationError, match=rf"phase actor, epoch 0: SkippedStepsExceeded: .*{key}"
+        IterationError, match=rf"phase actor, epoch 1: SkippedStepsExceeded: .*{key}"
     ):
         ctl.run_iteration(make_rollout(4, 9), iteration=fails_at)
     assert all(torch.equal(a, b) for a, b in zip(before, ctl.actor.parameters(), strict=True))

@@ -288,7 +288,7 @@ def test_drop_budget_exceeded() -> None:
 
 
 def test_no_valid_rows() -> None:
-    with pytest.raises(NoValidRows, match="iteration 5"):
+    with pytest.raises(NoValidRows, match="iteration 6"):
         ChunkPlanner(64, drop_budget=3).plan(make_meta([4, 4, 4], [0, 0, 0]), iteration=5)
     with pytest.raises(NoValidRows):
         ChunkPlanner(64).plan(make_meta([], []))

@@ -83,7 +83,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path):
 
 def test_crash_mid_iteration_restarts_that_iteration(tmp_path):
     _, straight = fit(tmp_path / "straight", 3)
-    with pytest.raises(IterationError, match="iteration 2, phase actor"):
+    with pytest.raises(IterationError, match="iteration 3, phase actor"):
         fit(tmp_path / "crash", 3, callbacks=[FailOnce(at=2)])
     # The crashed iteration's rows were released and the last checkpoint is iteration 1's.
     _, resumed = fit(tmp_path / "crash", 3, ckpt_path="last")

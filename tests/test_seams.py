@@ -157,6 +157,12 @@ class _BadRewards(BatchOnlyTask):
     def rewards(self, prompts, completions):
         if self.mode == "raise":
             raise KeyError("no such verifier")
+        if self.mode == "raise_one":
+            # Only the last prompt breaks the verifier: the error must name a sample of it.
+            self.bad = getattr(self, "bad", prompts[-1].text)
+            if any(p.text == self.bad for p in prompts):
+                raise KeyError(f"no verifier for {self.bad!r}")
+            return [0.0] * len(completions)
         if self.mode == "count":
             return [0.0] * (len(completions) - 1)
         if self.mode == "type":
@@ -167,14 +173,18 @@ class _BadRewards(BatchOnlyTask):
 @pytest.mark.parametrize(
     ("mode", "fragment"),
     [
-        ("raise", r"_BadRewards\.rewards raised KeyError: 'no such verifier' \(batch of 8"),
+        (
+            "raise",
+            r"_BadRewards\.rewards raised KeyError: 'no such verifier' \(sample 1 of 8: prompt",
+        ),
+        ("raise_one", r"raised KeyError: .* \(sample \d of 8: prompt '.+', completion '.*'\)"),
         ("count", r"returned 7 rewards for 8 samples"),
-        ("type", r"returned str '1\.0' for sample 0 \(prompt '.+', completion"),
-        ("scalar", r"returned float; return one float per sample"),
+        ("type", r"returned str '1\.0' for sample 1 of 8 \(prompt '.+', completion"),
+        ("scalar", r"returned float for a batch of 8 samples \(first prompt .+\); return"),
     ],
 )
 def test_a_broken_reward_function_fails_clearly(tmp_path: Path, mode, fragment) -> None:
     from lppo.controller import IterationError
 
-    with pytest.raises(IterationError, match=rf"iteration 0, phase rollout: .*{fragment}"):
+    with pytest.raises(IterationError, match=rf"iteration 1, phase rollout: .*{fragment}"):
         fit(tmp_path, iterations=1, task=_BadRewards(mode))

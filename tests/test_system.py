@@ -95,7 +95,7 @@ def test_hooks_reach_user_callbacks_in_order(tmp_path):
 
 def test_failure_in_a_user_hook_aborts_and_releases(tmp_path):
     rec = Recorder(fail_at="phase_epoch_end")
-    with pytest.raises(IterationError, match=r"iteration 0, phase critic, epoch 0"):
+    with pytest.raises(IterationError, match=r"iteration 1, phase critic, epoch 1"):
         run(tmp_path, [rec])
     aborts = [e for e in rec.events if e[0] == "abort"]
     assert aborts == [("abort", "critic", 0, "failing in phase_epoch_end")]

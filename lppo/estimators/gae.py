@@ -8,6 +8,7 @@ from lppo.algorithms import advantages_and_returns
 from lppo.estimators.base import EstimatorInputs
 from lppo.stats import Moments
 from lppo.types import ADVANTAGES, RETURNS, VALUES
+from lppo.validation import check_number
 
 
 class GAE:
@@ -34,12 +35,17 @@ class GAE:
         lam_returns: float | None = None,
         whiten: bool = True,
     ) -> None:
-        for key, value in (("gamma", gamma), ("lam", lam), ("lam_returns", lam_returns)):
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(
-                    f"model.estimator.init_args.{key}={value} must lie in [0, 1]"
-                    + (" or be null." if key == "lam_returns" else ".")
-                )
+        key = "model.estimator.init_args"
+        check_number(f"{key}.gamma", gamma, low=0, high=1, fix="Typical: 1.0 for LM rewards.")
+        check_number(f"{key}.lam", lam, low=0, high=1, fix="Typical: 0.95.")
+        check_number(
+            f"{key}.lam_returns",
+            lam_returns,
+            low=0,
+            high=1,
+            optional=True,
+            fix="null uses lam for the returns too.",
+        )
         self.gamma = gamma
         self.lam = lam
         self.lam_returns = lam_returns

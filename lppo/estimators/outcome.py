@@ -19,6 +19,7 @@ from lppo.algorithms import kl_penalty
 from lppo.estimators.base import EstimatorInputs
 from lppo.stats import Moments
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD
+from lppo.validation import check_number
 
 #: Row-level column naming the prompt a row answers (see :class:`lppo.types.Rollout`).
 PROMPT_INDEX = "prompt_index"
@@ -92,8 +93,9 @@ class GRPO:
     uses_critic = False
 
     def __init__(self, scale_by_std: bool = True, eps: float = 1e-6) -> None:
-        if not eps > 0:
-            raise ValueError(f"model.estimator.init_args.eps={eps} must be > 0.")
+        check_number(
+            "model.estimator.init_args.eps", eps, low=0, low_open=True, fix="Typical: 1e-6."
+        )
         self.scale_by_std = scale_by_std
         self.eps = eps
 

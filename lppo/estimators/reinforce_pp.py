@@ -8,6 +8,7 @@ from lppo.algorithms import gae
 from lppo.estimators.base import EstimatorInputs
 from lppo.stats import Moments
 from lppo.types import ADVANTAGES
+from lppo.validation import check_number
 
 
 class ReinforcePP:
@@ -26,8 +27,7 @@ class ReinforcePP:
     uses_critic = False
 
     def __init__(self, gamma: float = 1.0, whiten: bool = True) -> None:
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"model.estimator.init_args.gamma={gamma} must lie in [0, 1].")
+        check_number("model.estimator.init_args.gamma", gamma, low=0, high=1)
         self.gamma = gamma
         self.whiten = whiten
 

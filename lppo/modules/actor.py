@@ -11,6 +11,7 @@ from lppo.algorithms.losses import entropy_from_logprobs, policy_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.stats import SumStats
 from lppo.types import Chunk
+from lppo.validation import check_number
 
 if TYPE_CHECKING:
     from lppo.models import HFCausalLM
@@ -70,10 +71,27 @@ class ActorModule(PPOModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if clip_low < 0 or clip_high < 0:
-            raise ValueError(f"actor.clip_low={clip_low} / clip_high={clip_high} must be >= 0.")
-        if dual_clip is not None and dual_clip <= 1.0:
-            raise ValueError(f"actor.dual_clip={dual_clip} must be > 1 (or null to disable).")
+        key = self.config_key
+        check_number(
+            f"{key}.clip_low",
+            clip_low,
+            low=0,
+            high=1,
+            high_open=True,
+            fix="The ratio is clipped to [1 - clip_low, 1 + clip_high]; typical: 0.2.",
+        )
+        check_number(f"{key}.clip_high", clip_high, low=0, fix="Typical: 0.2 to 0.28.")
+        check_number(
+            f"{key}.dual_clip",
+            dual_clip,
+            low=1,
+            low_open=True,
+            optional=True,
+            fix="Dual clip bounds negative-advantage ratios; typical: 3.",
+        )
+        check_number(f"{key}.entropy_coef", entropy_coef, low=0)
+        if not isinstance(model, nn.Module):  # a spec, built in configure_model
+            model.validate(f"{key}.model.init_args")
         self.clip_low = clip_low
         self.clip_high = clip_high
         self.dual_clip = dual_clip

@@ -11,6 +11,7 @@ from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.stats import SumStats
 from lppo.types import Chunk
+from lppo.validation import check_number
 
 if TYPE_CHECKING:
     from lppo.models import HFCausalLM
@@ -44,8 +45,12 @@ class CriticModule(PPOModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if value_clip is not None and value_clip <= 0:
-            raise ValueError(f"critic.value_clip={value_clip} must be > 0 (or null to disable).")
+        key = self.config_key
+        check_number(f"{key}.value_clip", value_clip, low=0, low_open=True, optional=True)
+        check_number(f"{key}.head_init_std", head_init_std, low=0)
+        check_number(f"{key}.head_seed", head_seed, integer=True, low=0)
+        if not isinstance(backbone, nn.Module):  # a spec, built in configure_model
+            backbone.validate(f"{key}.backbone.init_args")
         self.value_clip = value_clip
         self.head_init_std = head_init_std
         self.head_seed = head_seed

@@ -20,6 +20,7 @@ from lppo.algorithms.losses import LossAggregation, token_weights
 from lppo.parallel import ParallelContext
 from lppo.stats import SumStats
 from lppo.types import Chunk, StepPlan, StepStats
+from lppo.validation import SettingError, check_number
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -89,15 +90,19 @@ class PPOModule(nn.Module):
         lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"{self.role}.lr={lr} must be > 0.")
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(f"{self.role}.max_grad_norm={max_grad_norm} must be > 0 or null.")
-        if warmup_steps < 0:
-            raise ValueError(f"{self.role}.warmup_steps={warmup_steps} must be >= 0.")
+        key = self.config_key
+        check_number(f"{key}.lr", lr, low=0, low_open=True, fix="Typical: 1e-6 to 1e-3.")
+        check_number(f"{key}.weight_decay", weight_decay, low=0)
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise SettingError(f"{key}.betas={betas!r} must be two numbers, e.g. [0.9, 0.999].")
+        for i, beta in enumerate(betas):
+            check_number(f"{key}.betas[{i}]", beta, low=0, high=1, high_open=True)
+        check_number(f"{key}.eps", eps, low=0, low_open=True, fix="Typical: 1e-8.")
+        check_number(f"{key}.max_grad_norm", max_grad_norm, low=0, low_open=True, optional=True)
+        check_number(f"{key}.warmup_steps", warmup_steps, integer=True, low=0)
         if loss_aggregation not in ("token_mean", "seq_mean_token_mean"):
-            raise ValueError(
-                f"{self.role}.loss_aggregation={loss_aggregation!r}; use 'token_mean' or "
+            raise SettingError(
+                f"{key}.loss_aggregation={loss_aggregation!r}; use 'token_mean' or "
                 "'seq_mean_token_mean'."
             )
         self.lr = lr
@@ -121,6 +126,11 @@ class PPOModule(nn.Module):
         self.parallel = ParallelContext()
         self.weights_version = 0
         self.register_load_state_dict_post_hook(_bump_weights_version)
+
+    @property
+    def config_key(self) -> str:
+        """Where this module's settings live in a ``lppo fit`` config (used in messages)."""
+        return f"model.{self.role}.init_args"
 
     # ----------------------------------------------------------- subclass API
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -11,6 +11,7 @@ from torch import nn
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.stats import Moments
 from lppo.types import Chunk
+from lppo.validation import check_number
 
 if TYPE_CHECKING:
     from lppo.models import HFCausalLM
@@ -44,11 +45,12 @@ class RewardModel(nn.Module):
         clip: float | None = None,
     ) -> None:
         super().__init__()
-        for key, value in (("weight", weight), ("task_weight", task_weight)):
-            if not math.isfinite(value):
-                raise ValueError(f"model.reward_model.init_args.{key}={value} must be finite.")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"model.reward_model.init_args.clip={clip} must be > 0 or null.")
+        key = "model.reward_model.init_args"
+        check_number(f"{key}.weight", weight, fix="It scales the reward model's score.")
+        check_number(f"{key}.task_weight", task_weight, fix="It scales the task's reward.")
+        check_number(f"{key}.clip", clip, low=0, low_open=True, optional=True)
+        if not isinstance(model, nn.Module):  # a spec, built in configure_model
+            model.validate(f"{key}.model.init_args")
         self.weight = weight
         self.task_weight = task_weight
         self.normalize = normalize

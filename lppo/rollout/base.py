@@ -16,6 +16,7 @@ import torch
 
 from lppo.tasks.base import Prompt, Task
 from lppo.types import Rollout
+from lppo.validation import check_number
 
 #: Name of the row-level extra column :func:`to_rollout` adds for truncated samples.
 TRUNCATED = "truncated"
@@ -97,24 +98,39 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
         for key in ("prompts_per_iteration", "samples_per_prompt", "max_new_tokens"):
-            value = getattr(self, key)
-            if value < 1:
-                raise ValueError(f"model.rollout.{key}={value} must be >= 1.")
-        if not self.temperature > 0:
-            raise ValueError(f"model.rollout.temperature={self.temperature} must be > 0.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"model.rollout.top_p={self.top_p} must lie in (0, 1].")
-        if self.top_k < 0:
-            raise ValueError(f"model.rollout.top_k={self.top_k} must be >= 0 (0 disables it).")
-        if self.prompts_per_block is not None and self.prompts_per_block < 1:
-            raise ValueError(
-                f"model.rollout.prompts_per_block={self.prompts_per_block} must be >= 1 or null."
-            )
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"model.rollout.min_new_tokens={self.min_new_tokens} must lie in "
-                f"[0, max_new_tokens={self.max_new_tokens}]."
-            )
+            check_number(f"model.rollout.{key}", getattr(self, key), integer=True, low=1)
+        check_number(
+            "model.rollout.temperature",
+            self.temperature,
+            low=0,
+            low_open=True,
+            fix="1.0 samples from the policy itself.",
+        )
+        check_number(
+            "model.rollout.top_p",
+            self.top_p,
+            low=0,
+            high=1,
+            low_open=True,
+            fix="1.0 disables nucleus sampling.",
+        )
+        check_number("model.rollout.top_k", self.top_k, integer=True, low=0, fix="0 disables it.")
+        check_number(
+            "model.rollout.prompts_per_block",
+            self.prompts_per_block,
+            integer=True,
+            low=1,
+            optional=True,
+            fix="null: one block per rank.",
+        )
+        check_number(
+            "model.rollout.min_new_tokens",
+            self.min_new_tokens,
+            integer=True,
+            low=0,
+            high=self.max_new_tokens,
+            fix="It must lie in [0, model.rollout.max_new_tokens].",
+        )
 
     @property
     def rows_per_iteration(self) -> int:
@@ -178,28 +194,60 @@ def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> to
     """
     answered = [prompts[int(i)] for i in output.prompt_index.tolist()]
     name = f"{type(task).__name__}.rewards"
+    completions = list(output.completions)
     try:
-        rewards = task.rewards(answered, list(output.completions))
+        rewards = task.rewards(answered, completions)
     except Exception as error:
         raise RewardError(
-            f"{name} raised {type(error).__name__}: {error} (batch of {len(output)} samples, "
-            f"first prompt {answered[0].text if answered else None!r})"
+            f"{name} raised {type(error).__name__}: {error} "
+            f"({_locate_failure(task, answered, completions)})"
         ) from error
     if getattr(rewards, "ndim", None) == 1:  # a 1-D torch tensor or numpy array
         rewards = rewards.tolist()  # type: ignore[union-attr]
     if isinstance(rewards, str | bytes) or not isinstance(rewards, Sequence | list):
-        raise RewardError(f"{name} returned {type(rewards).__name__}; return one float per sample.")
+        raise RewardError(
+            f"{name} returned {type(rewards).__name__} for a batch of {len(output)} samples "
+            f"(first prompt {_text(answered, 0)!r}); return one float per sample."
+        )
     if len(rewards) != len(output):
-        raise RewardError(f"{name} returned {len(rewards)} rewards for {len(output)} samples.")
+        raise RewardError(
+            f"{name} returned {len(rewards)} rewards for {len(output)} samples (first prompt "
+            f"{_text(answered, 0)!r}); return one float per sample, in order."
+        )
     values = []
     for j, (reward, prompt) in enumerate(zip(rewards, answered, strict=True)):
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
             raise RewardError(
-                f"{name} returned {type(reward).__name__} {reward!r} for sample {j} (prompt "
-                f"{prompt.text!r}, completion {output.completions[j]!r}); return a float."
+                f"{name} returned {type(reward).__name__} {reward!r} for sample {j + 1} of "
+                f"{len(output)} (prompt {prompt.text!r}, completion {completions[j]!r}); "
+                "return a float."
             )
         values.append(float(reward))
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _text(prompts: Sequence[Prompt], j: int) -> str | None:
+    return prompts[j].text if j < len(prompts) else None
+
+
+def _locate_failure(task: Task, prompts: Sequence[Prompt], completions: list[str]) -> str:
+    """Name the first sample whose reward call raises on its own (only run after a failure).
+
+    The batch call does not say which sample broke it; calling the task once per sample
+    does, at the cost of repeating the calls up to the failing one.
+    """
+    for j, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        try:
+            task.rewards([prompt], [completion])
+        except Exception:
+            return (
+                f"sample {j + 1} of {len(completions)}: prompt {prompt.text!r}, "
+                f"completion {completion!r}"
+            )
+    return (
+        f"batch of {len(completions)} samples; every sample alone was rewarded, so the "
+        f"failure depends on the batch (first prompt {_text(prompts, 0)!r})"
+    )
 
 
 def to_rollout(

@@ -9,6 +9,7 @@ import transformers
 
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.tasks.base import Prompt
+from lppo.validation import check_number
 
 
 @dataclass
@@ -60,10 +61,14 @@ class HFGenerateEngine:
         chat_template: bool = False,
         sort_by_length: bool = False,
     ) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(
-                f"model.engine.init_args.batch_size={batch_size} must be >= 1 or null."
-            )
+        check_number(
+            "model.engine.init_args.batch_size",
+            batch_size,
+            integer=True,
+            low=1,
+            optional=True,
+            fix="null generates all of an iteration's prompts in one batch.",
+        )
         self.batch_size = batch_size
         self.prepend_bos = prepend_bos
         self.chat_template = chat_template

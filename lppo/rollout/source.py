@@ -29,7 +29,7 @@ from lppo.rollout.base import (
     to_rollout,
 )
 from lppo.tasks import Task
-from lppo.types import Rollout
+from lppo.types import Rollout, iteration_label
 
 
 class StaleWeightsError(RuntimeError):
@@ -157,5 +157,5 @@ class RolloutSource:
         try:
             rewards = score(self.task, prompts, output)
         except RewardError as error:
-            raise IterationError(f"iteration {iteration}, phase rollout: {error}") from error
+            raise IterationError(f"{iteration_label(iteration)}, phase rollout: {error}") from error
         return to_rollout(output, rewards)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from lppo.tasks.base import Prompt, Task
+from lppo.validation import check_number
 
 OPERATORS = "+-"
 
@@ -47,12 +48,18 @@ class ArithmeticTask(Task):
         operators: str = "+",
         partial_weight: float = 0.5,
     ) -> None:
-        if min_value < 0 or max_value < min_value:
-            raise ValueError(f"need 0 <= min_value <= max_value, got {min_value}, {max_value}")
+        key = "model.task.init_args"
+        check_number(f"{key}.min_value", min_value, integer=True, low=0)
+        check_number(
+            f"{key}.max_value",
+            max_value,
+            integer=True,
+            low=min_value,
+            fix=f"It must be at least {key}.min_value.",
+        )
+        check_number(f"{key}.partial_weight", partial_weight, low=0, high=1, high_open=True)
         if not operators or any(op not in OPERATORS for op in operators):
             raise ValueError(f"operators must be a non-empty subset of {OPERATORS!r}")
-        if not 0.0 <= partial_weight < 1.0:
-            raise ValueError(f"partial_weight must be in [0, 1), got {partial_weight}")
         self.min_value = min_value
         self.max_value = max_value
         self.operators = "".join(sorted(set(operators), key=OPERATORS.index))

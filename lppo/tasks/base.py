@@ -102,14 +102,3 @@ class Task(abc.ABC):
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         return [self.reward(p, c) for p, c in zip(prompts, completions, strict=True)]
-
-
-def check_positive(name: str, value: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is a positive integer.
-
-    Args:
-        name: argument name used in the message.
-        value: the value to check.
-    """
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from lppo.tasks.base import Prompt, Task, check_positive
+from lppo.tasks.base import Prompt, Task
+from lppo.validation import check_number
 
 #: Characters the task draws its strings from, in order (``alphabet_size`` takes a prefix).
 FULL_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
@@ -73,16 +74,22 @@ class CopyTask(Task):
         length_weight: float = 0.3,
         length_tolerance: int = 4,
     ) -> None:
-        check_positive("min_length", min_length)
-        check_positive("length_tolerance", length_tolerance)
-        if max_length < min_length:
-            raise ValueError(f"max_length ({max_length}) < min_length ({min_length})")
-        if not 1 <= alphabet_size <= len(FULL_ALPHABET):
-            raise ValueError(f"alphabet_size must be in [1, {len(FULL_ALPHABET)}]")
+        key = "model.task.init_args"
+        check_number(f"{key}.min_length", min_length, integer=True, low=1)
+        check_number(
+            f"{key}.max_length",
+            max_length,
+            integer=True,
+            low=min_length,
+            fix=f"It must be at least {key}.min_length.",
+        )
+        check_number(f"{key}.length_tolerance", length_tolerance, integer=True, low=1)
+        check_number(
+            f"{key}.alphabet_size", alphabet_size, integer=True, low=1, high=len(FULL_ALPHABET)
+        )
+        check_number(f"{key}.length_weight", length_weight, low=0, high=1)
         if transform not in TRANSFORMS:
             raise ValueError(f"unknown transform {transform!r}; known: {sorted(TRANSFORMS)}")
-        if not 0.0 <= length_weight <= 1.0:
-            raise ValueError(f"length_weight must be in [0, 1], got {length_weight}")
         self.min_length = min_length
         self.max_length = max_length
         self.alphabet = FULL_ALPHABET[:alphabet_size]

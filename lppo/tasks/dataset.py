@@ -20,6 +20,7 @@ from typing import Any
 
 from lppo.tasks.base import Prompt, Task
 from lppo.tasks.verifiers import ExactMatch, Verifier
+from lppo.validation import check_number
 
 __all__ = ["FORMATS", "DatasetTask", "load_records"]
 
@@ -222,6 +223,7 @@ class DatasetTask(Task):
         self.answer_field = answer_field
         self.template = template
         self.verifier: Verifier = verifier if verifier is not None else ExactMatch()
+        check_number(f"{KEY}.seed", seed, integer=True, low=0)
         self.seed = seed
         self.shuffle = shuffle
         self.texts, self.answers = self._read(load_records(self.files))

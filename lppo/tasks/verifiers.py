@@ -15,6 +15,8 @@ import math
 import re
 from collections.abc import Sequence
 
+from lppo.validation import check_number
+
 __all__ = ["ExactMatch", "NumericAnswer", "Verifier", "extract_number"]
 
 #: A decimal number: optional sign (only where it cannot be a binary minus, as in ``4-3``),
@@ -141,11 +143,9 @@ class NumericAnswer(Verifier):
         marker: str | None = "####",
         last_number: bool = True,
     ) -> None:
-        if tolerance < 0 or relative_tolerance < 0:
-            raise ValueError(
-                f"NumericAnswer tolerance={tolerance}, relative_tolerance={relative_tolerance}: "
-                "tolerances must be >= 0."
-            )
+        key = "model.task.init_args.verifier.init_args"
+        check_number(f"{key}.tolerance", tolerance, low=0, fix="0 demands equal numbers.")
+        check_number(f"{key}.relative_tolerance", relative_tolerance, low=0)
         self.tolerance = tolerance
         self.relative_tolerance = relative_tolerance
         self.marker = marker

@@ -487,7 +487,8 @@ def test_custom_scheduler_factory_ticks_once_per_real_step(role):
 )
 def test_bad_constructor_args_name_the_key(role, kwargs, key):
     cls, model = (ActorModule, tiny_lm) if role == "actor" else (CriticModule, tiny_backbone)
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    full = f"model.{role}.init_args.{key.rsplit('.', 1)[-1]}="
+    with pytest.raises(ValueError, match=full.replace(".", r"\.")):
         cls(model(), **kwargs)
 
 
