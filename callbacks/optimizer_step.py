@@ -48,8 +48,8 @@ class OptimizerStep(PPOCallback):
         self.consecutive[stats.role] = run
         self.total += 1
         message = (
-            f"{ctx.where()}: {stats.role} step skipped, gradient norm {stats.grad_norm} is not "
-            f"finite ({run} in a row, {self.total} this run)"
+            f"{ctx.where()}: {stats.role} step skipped, {stats.skip_reason} "
+            f"({run} in a row, {self.total} this run)"
         )
         cfg = ctx.config
         if run > cfg.max_consecutive_skipped_steps:

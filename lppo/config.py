@@ -31,6 +31,14 @@ class PPOConfig:
             gradient norm) before the run stops with an error; every skip is warned about.
         max_skipped_steps: skipped steps over the whole run (actor and critic together) before
             the run stops (``null``: no total limit).
+        transactional: an iteration commits actor and critic together or not at all: their
+            parameters, optimizer and scheduler state are copied at the iteration's start and
+            restored when a later phase fails (costs one copy of both modules' parameters and
+            optimizer state, 3x their parameters with AdamW, for the whole run).
+        max_failed_iterations: failure policy. ``0`` (default): a failed iteration stops the
+            run. ``N > 0``: up to N failed iterations over the run are skipped (rows released,
+            a warning and ``iteration/failed`` logged) and training goes on; the N+1-th stops
+            it. Combine with ``transactional`` so a skipped iteration leaves no partial step.
         disable_dropout: set every dropout probability of the actor, critic and reference to
             0 at setup (as TRL and verl do for RL): old log-probabilities are scored without
             dropout, so with dropout left on in training the first ratio would not be 1.
@@ -53,6 +61,8 @@ class PPOConfig:
     max_abs_reward: float | None = None
     max_consecutive_skipped_steps: int = 3
     max_skipped_steps: int | None = None
+    transactional: bool = False
+    max_failed_iterations: int = 0
     disable_dropout: bool = True
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
 
@@ -81,6 +91,13 @@ class PPOConfig:
             low=0,
             optional=True,
             fix="null: no limit over the run.",
+        )
+        check_number(
+            "model.ppo.max_failed_iterations",
+            self.max_failed_iterations,
+            integer=True,
+            low=0,
+            fix="0 stops the run at the first failed iteration.",
         )
         check_number("model.ppo.kl_coef", self.kl_coef, low=0, fix="0 disables the KL penalty.")
         if self.kl_kind not in ("k1", "k2", "k3"):

@@ -39,6 +39,7 @@ from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule, PPOModule
 from lppo.modules.reward_model import RewardModel
+from lppo.modules.snapshot import Transaction
 from lppo.parallel import ParallelContext
 from lppo.planner import RowLayout
 from lppo.stats import Moments
@@ -160,11 +161,15 @@ class PPOController:
             config=self.config,
             trainer=self.trainer,
         )
+        # model.ppo.transactional: an iteration commits actor and critic together or not at all
+        backup = Transaction(self.trainable_modules()) if self.config.transactional else None
         try:
             return self._run(ctx, rollout, dropped, rollout_seconds)
         except BaseException as error:
             where = ctx.where()
             self._abort(ctx, error)
+            if backup is not None:
+                backup.rollback()
             if not isinstance(error, Exception):
                 raise
             raise IterationError(f"{where}: {type(error).__name__}: {error}") from error

@@ -8,11 +8,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
 
+from lppo.checkpointing import SETTINGS_KEY, CheckpointError, run_settings, settings_changes
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
+from lppo.controller import IterationError, PPOController
 from lppo.data import ReplayDataModule
 from lppo.estimators import GAE, AdvantageEstimator
+from lppo.failure_policy import FailurePolicy
 from lppo.hooks import PPOCallback
 from lppo.loop import attached_trainer, instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule, RewardModel
@@ -22,7 +25,7 @@ from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task
 from lppo.tokenizer import build_char_tokenizer
 from lppo.types import IterationResult
-from lppo.validation import check_number
+from lppo.validation import SettingError, check_number
 
 __all__ = ["PPOSystem", "RolloutSettings"]
 
@@ -120,6 +123,7 @@ class PPOSystem(LightningModule):
         self.tokenizer: Any = None
         self.controller: PPOController | None = None
         self.rollout_source: RolloutSource | None = None
+        self.failures = FailurePolicy(ppo.max_failed_iterations)
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
@@ -168,10 +172,27 @@ class PPOSystem(LightningModule):
             trainer=trainer,
             reward_model=self.reward_model,
         )
+        if parallel.data.size > 1 and self.ppo.max_failed_iterations:
+            raise SettingError(
+                f"model.ppo.max_failed_iterations={self.ppo.max_failed_iterations} under data "
+                f"parallelism ({parallel.data.size} ranks): a failure on one rank would leave "
+                "the others waiting in a collective; set it to 0."
+            )
         self.engine.setup(self.actor.policy(), tok, r)
         self.rollout_source = RolloutSource(
             self.task, self.engine, self.actor, r, seed=self.seed, group=parallel.data
         )
+
+    def _log_failure(self, iteration: int) -> None:
+        """Log a skipped iteration on the metrics logger's step axis."""
+        trainer = attached_trainer(self)
+        from lppo.callbacks import PPOMetricsLogger
+
+        for cb in getattr(trainer, "callbacks", None) or []:
+            if isinstance(cb, PPOMetricsLogger):
+                row = {"iteration": float(iteration), "iteration/failed": 1.0}
+                row["iteration/failed_total"] = float(self.failures.failed)
+                cb.log_row(trainer, row)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer_path is None:
@@ -208,10 +229,45 @@ class PPOSystem(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the task's state (e.g. its position in a prompt file) to the checkpoint."""
         checkpoint["lppo_task"] = self.task.state_dict()
+        checkpoint["lppo_failed_iterations"] = self.failures.failed
+        checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(attached_trainer(self)))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the task's state, so a resumed run continues its prompts where it stopped."""
         self.task.load_state_dict(checkpoint.get("lppo_task", {}))
+        self.failures.failed = int(checkpoint.get("lppo_failed_iterations", 0))
+        saved = checkpoint.get(SETTINGS_KEY)
+        if saved is None:
+            return
+        current = run_settings(self, self._datamodule(attached_trainer(self)))
+        applicable, refused = settings_changes(saved, current)
+        if refused:
+            raise CheckpointError(
+                "resuming with settings that differ from the checkpoint's:\n  "
+                + "\n  ".join(refused)
+                + "\nThese cannot be applied to a restored run: restore them, or start a new "
+                "run from the trained weights (lppo.export / HFExport)."
+            )
+        if applicable:
+            rank_zero_info("resuming with changed settings (applied): " + "; ".join(applicable))
+        self._resumed_lrs = {
+            m: saved[f"{m.config_key}.lr"]
+            for m in (self.actor, self.critic)
+            if m is not None and saved.get(f"{m.config_key}.lr", m.lr) != m.lr
+        }
+
+    def on_train_start(self) -> None:
+        """Give the restored optimizers a learning rate changed on resume (scaled schedules)."""
+        for module, old in getattr(self, "_resumed_lrs", {}).items():
+            ratio = module.lr / old
+            assert module.optimizer is not None
+            for group in module.optimizer.param_groups:
+                group["lr"] *= ratio
+                if "initial_lr" in group:
+                    group["initial_lr"] *= ratio
+            if module.scheduler is not None:
+                module.scheduler.base_lrs = [lr * ratio for lr in module.scheduler.base_lrs]
+        self._resumed_lrs = {}
 
     def training_step(self, *args: Any, **kwargs: Any) -> None:
         """Not used: the PPO loop drives training through :meth:`run_iteration`."""
@@ -226,15 +282,19 @@ class PPOSystem(LightningModule):
         self.configure_model()
         assert self.controller is not None and self.rollout_source is not None
         clock = time.perf_counter()
-        # 1. rollout (each rank generates its own blocks of prompts)
-        rollout = self.rollout_source.collect(iteration)
-        # 2. score → advantages → critic epochs → actor epochs → release
-        result = self.controller.run_iteration(
-            rollout,
-            iteration,
-            dropped=rollout.dropped,
-            rollout_seconds=time.perf_counter() - clock,
-        )
+        try:
+            # 1. rollout (each rank generates its own blocks of prompts)
+            rollout = self.rollout_source.collect(iteration)
+            # 2. score → advantages → critic epochs → actor epochs → release
+            result = self.controller.run_iteration(
+                rollout,
+                iteration,
+                dropped=rollout.dropped,
+                rollout_seconds=time.perf_counter() - clock,
+            )
+        except IterationError as error:  # cleaned up already; skipped or re-raised
+            result = self.failures.absorb(iteration, error)
+            self._log_failure(iteration)
         # 3. the engine samples the next rollout from the weights the actor phase produced
         self.rollout_source.sync()
         return result

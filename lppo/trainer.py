@@ -9,8 +9,10 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
+from lppo.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
 from lppo.loop import install
 from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
 
@@ -92,6 +94,10 @@ class PPOTrainer(Trainer):
                 # Fixed folder (not per logger version) so `--ckpt_path last` finds it.
                 cb.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))
         kwargs["callbacks"] = callbacks
+        plugins = list(kwargs.get("plugins") or [])
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())  # never a half-written last.ckpt
+        kwargs["plugins"] = plugins
         for key, value in _DEFAULTS.items():
             if kwargs.get(key) is None:
                 kwargs[key] = value
@@ -99,3 +105,22 @@ class PPOTrainer(Trainer):
         # Fail before any process is launched (PPOSystem.configure_model checks again).
         check_strategy(self.strategy, self.num_devices * self.num_nodes)
         install(self)
+
+    def fit(self, *args: Any, ckpt_path: str | None = None, **kwargs: Any) -> None:
+        """``Trainer.fit``; a checkpoint to resume from is checked first (one clear error).
+
+        ``ckpt_path="last"`` resolves to the iteration checkpoints' ``last.ckpt`` when it
+        exists. Temporary files of an interrupted checkpoint write are removed.
+
+        Raises:
+            CheckpointError: ``ckpt_path`` is missing, empty, corrupt or not lppo's.
+        """
+        folders = {cb.dirpath for cb in self.callbacks if isinstance(cb, IterationCheckpoint)}
+        for folder in folders:
+            remove_stale_temporaries(folder)
+        if ckpt_path == "last":
+            found = [os.path.join(d, "last.ckpt") for d in folders if d]
+            ckpt_path = next((p for p in found if os.path.exists(p)), ckpt_path)
+        if ckpt_path is not None and ckpt_path not in ("last", "best", "hpc", "registry"):
+            check_checkpoint(os.fspath(ckpt_path))
+        super().fit(*args, ckpt_path=ckpt_path, **kwargs)

@@ -194,6 +194,7 @@ class StepStats:
         valid_rows: global valid-row normalizer of the step.
         tokens: real tokens processed on this rank (for throughput).
         metrics: diagnostics, ``name -> float`` (e.g. ``loss``, ``clip_fraction``).
+        skip_reason: why the step was not taken (``""`` when ``stepped``).
     """
 
     role: str
@@ -208,6 +209,7 @@ class StepStats:
     valid_rows: int
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    skip_reason: str = ""
 
 
 @dataclass
@@ -225,6 +227,7 @@ class IterationResult:
         tokens: real tokens processed per phase (``rollout``: response tokens generated).
         padding: padded-but-empty fraction of the token slots per chunked phase (``score``,
             ``critic``, ``actor``; the planner's ``padding_fraction``, mean over epochs).
+        failed: the error of an iteration skipped by the failure policy (``""``: it ran).
     """
 
     iteration: int
@@ -233,6 +236,7 @@ class IterationResult:
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     padding: dict[str, float] = field(default_factory=dict)
+    failed: str = ""
 
     def phase_steps(self, role: str) -> list[StepStats]:
         """Steps of ``role`` (``actor`` or ``critic``)."""

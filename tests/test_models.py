@@ -63,4 +63,4 @@ def test_dtype():
 )
 def test_bad_args(kwargs):
     with pytest.raises(ValueError):
-        HFCausalLM(**kwargs)
+        HFCausalLM(**kwargs).validate("model.actor.init_args.model.init_args")

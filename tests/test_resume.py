@@ -18,13 +18,15 @@ from lppo.trainer import PPOTrainer
 pytestmark = pytest.mark.slow
 
 
-def spec(seed: int) -> HFCausalLM:
-    return HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed)
+def spec(seed: int, hidden: int = 32) -> HFCausalLM:
+    return HFCausalLM(
+        hidden_size=hidden, num_layers=1, num_heads=2, intermediate_size=64, seed=seed
+    )
 
 
-def fit(root, iterations, ckpt_path=None, callbacks=(), critic_warmup=0):
+def fit(root, iterations, ckpt_path=None, callbacks=(), critic_warmup=0, lr=3e-3, hidden=32, **ppo):
     system = PPOSystem(
-        actor=ActorModule(spec(0), lr=3e-3),
+        actor=ActorModule(spec(0, hidden), lr=lr),
         critic=CriticModule(spec(1), lr=3e-3),
         task=CopyTask(),
         rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens=4),
@@ -33,6 +35,7 @@ def fit(root, iterations, ckpt_path=None, callbacks=(), critic_warmup=0):
             actor_minibatches=2,
             kl_coef=0.05,
             critic_warmup_iterations=critic_warmup,
+            **ppo,
         ),
         num_threads=1,
     )

@@ -2,13 +2,14 @@
 
 from lppo.modules.actor import ActorModule, shifted_logprobs
 from lppo.modules.critic import CriticModule
-from lppo.modules.lifecycle import ChunkResult, PPOModule, StepStateError
+from lppo.modules.lifecycle import ChunkResult, NonFiniteParameters, PPOModule, StepStateError
 from lppo.modules.reward_model import RewardModel
 
 __all__ = [
     "ActorModule",
     "ChunkResult",
     "CriticModule",
+    "NonFiniteParameters",
     "PPOModule",
     "RewardModel",
     "StepStateError",

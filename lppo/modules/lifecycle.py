@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lppo.algorithms.losses import LossAggregation, token_weights
+from lppo.modules.snapshot import TrainingState, parameters_finite
 from lppo.parallel import ParallelContext
 from lppo.stats import SumStats
 from lppo.types import Chunk, StepPlan, StepStats
@@ -28,6 +29,10 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LR
 
 class StepStateError(RuntimeError):
     """A lifecycle method was called out of order."""
+
+
+class NonFiniteParameters(RuntimeError):
+    """An optimizer step left a non-finite parameter and could not be undone."""
 
 
 @dataclass
@@ -71,6 +76,11 @@ class PPOModule(nn.Module):
         loss_aggregation: ``token_mean`` (mean over the step's valid tokens) or
             ``seq_mean_token_mean`` (token mean per row, then mean over rows).
         warmup_steps: linear learning-rate warmup over this many optimizer steps.
+        rollback_non_finite: after every optimizer step, check the parameters; when one is
+            not finite, undo the step (parameters, optimizer and scheduler as before it) and
+            report it as skipped. Costs a transient copy of the parameters and optimizer
+            state per step (3x the parameters with AdamW). ``false`` skips the copy: a
+            non-finite parameter then stops the run with :class:`NonFiniteParameters`.
         optimizer: factory ``params -> Optimizer`` replacing the default AdamW.
         lr_scheduler: factory ``optimizer -> LRScheduler`` replacing the warmup schedule.
     """
@@ -86,6 +96,7 @@ class PPOModule(nn.Module):
         max_grad_norm: float | None = 1.0,
         loss_aggregation: LossAggregation = "token_mean",
         warmup_steps: int = 0,
+        rollback_non_finite: bool = True,
         optimizer: OptimizerFactory | None = None,
         lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
@@ -112,6 +123,7 @@ class PPOModule(nn.Module):
         self.max_grad_norm = max_grad_norm
         self.loss_aggregation: LossAggregation = loss_aggregation
         self.warmup_steps = warmup_steps
+        self.rollback_non_finite = rollback_non_finite
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
         self.optimizer: torch.optim.Optimizer | None = None
@@ -235,8 +247,9 @@ class PPOModule(nn.Module):
     def finish(self) -> StepStats:
         """Close the step: sync grads across ranks, clip, and take exactly one optimizer step.
 
-        A non-finite gradient norm takes no step (parameters and optimizer state untouched)
-        and is reported with ``stepped=False``.
+        A non-finite gradient norm takes no step (parameters and optimizer state untouched),
+        and a step that leaves a non-finite parameter is undone; both are reported with
+        ``stepped=False`` and a ``skip_reason``.
 
         Raises:
             StepStateError: no step is open, or no chunk was trained.
@@ -250,7 +263,13 @@ class PPOModule(nn.Module):
         assert self.optimizer is not None
         self._sums.all_reduce(self.parallel.data)
         lr = float(self.optimizer.param_groups[0]["lr"])
+        # A copy to undo a step that leaves a non-finite parameter (rollback_non_finite).
+        backup = TrainingState.capture(self) if self.rollback_non_finite else None
         grad_norm, stepped = self._apply_gradients()
+        reason = "" if stepped else f"gradient norm {grad_norm} is not finite"
+        if stepped and not parameters_finite(self):
+            reason = self._undo_non_finite(backup, grad_norm)
+            stepped = False
         if stepped:
             self.weights_version += 1
             if self.scheduler is not None:
@@ -269,9 +288,27 @@ class PPOModule(nn.Module):
             valid_rows=plan.normalizers.valid_rows,
             tokens=self._tokens,
             metrics={"loss": self._sums.get("loss"), **self.metrics(self._sums)},
+            skip_reason=reason,
         )
         self._plan = None
         return stats
+
+    def _undo_non_finite(self, backup: TrainingState | None, norm: float) -> str:
+        """Restore the state before a step that left a non-finite parameter; say why.
+
+        Raises:
+            NonFiniteParameters: no copy was taken (``rollback_non_finite=False``).
+        """
+        assert self.optimizer is not None
+        if backup is None:
+            raise NonFiniteParameters(
+                f"{self.role}: a parameter is not finite after the optimizer step "
+                f"(gradient norm {norm}, lr {self.optimizer.param_groups[0]['lr']}); "
+                f"lower {self.config_key}.lr, or set {self.config_key}.rollback_non_finite="
+                "true to undo such steps."
+            )
+        backup.restore(self)
+        return "a parameter was not finite after the step (step undone)"
 
     def abort(self) -> None:
         """Drop the open step: no optimizer step, gradients and step state discarded.

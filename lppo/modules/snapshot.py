@@ -1,0 +1,100 @@
+"""A copy of a module's training state (parameters, optimizer, scheduler) that can be restored.
+
+Two features restore state that an optimizer step already changed, and both use this one
+class: the finite-parameter guard of :meth:`PPOModule.finish` (a step that leaves a
+non-finite parameter is undone) and the transactional iteration of the controller (an
+iteration that fails after some of its steps committed is undone for actor and critic).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lppo.modules.lifecycle import PPOModule
+
+
+@dataclass
+class TrainingState:
+    """Everything an optimizer step changes in a :class:`PPOModule`.
+
+    Attributes:
+        parameters: clones of ``module.trainable_parameters()``, in that order.
+        optimizer: deep copy of ``optimizer.state_dict()`` (``None``: no optimizer yet, so a
+            restore drops the one built since and the next step builds a fresh one).
+        scheduler: deep copy of ``scheduler.state_dict()`` (``None``: no scheduler yet).
+    """
+
+    parameters: list[torch.Tensor]
+    optimizer: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+
+    @classmethod
+    @torch.no_grad()
+    def capture(cls, module: PPOModule) -> TrainingState:
+        """Copy ``module``'s parameters, optimizer and scheduler state."""
+        optimizer = module.optimizer
+        scheduler = module.scheduler
+        return cls(
+            parameters=[p.detach().clone() for p in module.trainable_parameters()],
+            optimizer=None if optimizer is None else copy.deepcopy(optimizer.state_dict()),
+            scheduler=None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
+        )
+
+    @torch.no_grad()
+    def restore(self, module: PPOModule) -> None:
+        """Put the captured state back, bitwise (the copy stays usable for another restore)."""
+        params = module.trainable_parameters()
+        if len(params) != len(self.parameters):
+            raise RuntimeError(
+                f"{module.role}: {len(params)} trainable parameters now, "
+                f"{len(self.parameters)} when the state was captured"
+            )
+        for param, saved in zip(params, self.parameters, strict=True):
+            param.copy_(saved)
+        if self.optimizer is None:
+            module.optimizer = module.scheduler = None
+        elif module.optimizer is not None:
+            module.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        if module.scheduler is not None and self.scheduler is not None:
+            module.scheduler.load_state_dict(copy.deepcopy(self.scheduler))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the copy (parameters and optimizer tensors)."""
+        total = sum(t.numel() * t.element_size() for t in self.parameters)
+        for state in (self.optimizer or {}).get("state", {}).values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total
+
+
+class Transaction:
+    """The training state of several modules at one point; :meth:`rollback` restores all.
+
+    Args:
+        modules: the modules to capture (actor and critic for an iteration).
+    """
+
+    def __init__(self, modules: Sequence[PPOModule]) -> None:
+        self.states = [(m, TrainingState.capture(m)) for m in modules]
+
+    def rollback(self) -> None:
+        """Restore every module; their weights versions move on so engines resync."""
+        for module, state in self.states:
+            state.restore(module)
+            module.weights_version += 1
+
+
+def parameters_finite(module: PPOModule) -> bool:
+    """Whether every trainable parameter is finite (one max-abs reduction, no overflow)."""
+    params = [p.detach() for p in module.trainable_parameters()]
+    if not params:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(params, norm_type=float("inf"))))
