@@ -88,6 +88,12 @@ OUT_OF_RANGE: dict[str, str] = {
     "save_top_k": "-2",
     "refresh_seconds": "-1",
     "window": "0",
+    "max_failed_iterations": "-1",
+    "num_cpus": "0",
+    "num_storage_units": "0",
+    "object_store_memory": "1024",
+    "tensor_parallel_size": "0",
+    "bucket_size": "0",
     "tolerance": "-1e-3",
     "relative_tolerance": "-0.1",
 }
@@ -215,6 +221,16 @@ def cli_override(key: str, value: str) -> list[str]:
             f"--trainer.callbacks.{rest}={value}",
         ]
     return [f"--{key}={value}"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_on_cpu():
+    """configs/megatron.yaml builds megatron-core pieces, which need the CPU shims here."""
+    from _megatron_cpu import install, uninstall
+
+    install()
+    yield
+    uninstall()
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ from lppo.replay._segments import count_true
 from lppo.replay._tq_runtime import TQSettings, acquire_tq, release_tq, tq_module
 from lppo.replay._tq_state import decode_state
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
+from lppo.validation import check_number
 
 __all__ = ["TransferQueueReplayStore"]
 
@@ -122,6 +123,16 @@ class TransferQueueReplayStore:
         if partition is not None and not (isinstance(partition, str) and partition):
             raise ValueError(f"partition={partition!r} must be a non-empty string or null")
         self.partition = partition or f"lppo-{uuid.uuid4().hex[:12]}"
+        key = "data.store.init_args"
+        check_number(f"{key}.num_cpus", num_cpus, integer=True, low=1)
+        check_number(f"{key}.num_storage_units", num_storage_units, integer=True, low=1)
+        check_number(
+            f"{key}.object_store_memory",
+            object_store_memory,
+            integer=True,
+            low=80 * 2**20,
+            fix="Ray needs at least 80 MiB.",
+        )
         self.settings = TQSettings(
             RaySettings(address, num_cpus, object_store_memory, temp_dir), num_storage_units
         )

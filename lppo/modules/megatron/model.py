@@ -26,6 +26,7 @@ from lppo.modules.megatron.convert import (
     unshard,
 )
 from lppo.parallel import ParallelContext, ProcessGroup, megatron_context
+from lppo.validation import check_number
 
 _EXTRA = "megatron-core is not installed; install lppo's extra: pip install 'lppo[megatron]'"
 
@@ -83,8 +84,6 @@ class MegatronGPT:
                 f"megatron model.hf.architecture={hf.architecture!r}: only the Llama family "
                 "converts; use architecture: llama."
             )
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1.")
         self.hf = hf
         if distributed_optimizer and not torch.cuda.is_available():
             raise ValueError(
@@ -100,6 +99,24 @@ class MegatronGPT:
         self.context = ParallelContext()
 
     # ------------------------------------------------------------------ build
+
+    def validate(self, key: str) -> None:
+        """Check the numeric settings; ``key`` is where the owner holds this spec (messages).
+
+        Raises:
+            SettingError: naming ``<key>.<setting>``, the value and the allowed range.
+        """
+        check_number(f"{key}.tensor_parallel_size", self.tensor_parallel_size, integer=True, low=1)
+        check_number(
+            f"{key}.bucket_size",
+            self.bucket_size,
+            integer=True,
+            low=1,
+            optional=True,
+            fix="null: megatron's default bucket size.",
+        )
+        self.hf.validate(f"{key}.hf.init_args")
+
     def build(
         self,
         vocab_size: int,
