@@ -34,6 +34,7 @@ from lppo.rollout.base import GenerationOutput, RolloutEngine, RolloutSettings
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.source import concat_outputs, derive_seed
 from lppo.tasks.base import Prompt
+from lppo.validation import check_number
 
 __all__ = ["RayWorkersEngine", "RolloutWorker", "RolloutWorkerError"]
 
@@ -107,12 +108,17 @@ class RayWorkersEngine:
         timeout_s: float = 300.0,
         max_restarts: int = 2,
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(f"model.engine.init_args.num_workers={num_workers} must be >= 1.")
-        if not timeout_s > 0:
-            raise ValueError(f"model.engine.init_args.timeout_s={timeout_s} must be > 0.")
-        if max_restarts < 0:
-            raise ValueError(f"model.engine.init_args.max_restarts={max_restarts} must be >= 0.")
+        key = "model.engine.init_args"
+        check_number(f"{key}.num_workers", num_workers, integer=True, low=1)
+        check_number(
+            f"{key}.timeout_s",
+            timeout_s,
+            low=0,
+            low_open=True,
+            fix="Seconds a worker may take for its share of a rollout.",
+        )
+        check_number(f"{key}.max_restarts", max_restarts, integer=True, low=0)
+        check_number(f"{key}.num_cpus", num_cpus, integer=True, low=1)
         self.num_workers = num_workers
         self.engine: RolloutEngine = engine if engine is not None else HFGenerateEngine()
         self.ray_settings = RaySettings(address=address, num_cpus=num_cpus, temp_dir=temp_dir)
