@@ -237,9 +237,10 @@ class PPOSystem(LightningModule):
         self.task.load_state_dict(checkpoint.get("lppo_task", {}))
         self.failures.failed = int(checkpoint.get("lppo_failed_iterations", 0))
         saved = checkpoint.get(SETTINGS_KEY)
-        if saved is None:
+        trainer = attached_trainer(self)
+        if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)
             return
-        current = run_settings(self, self._datamodule(attached_trainer(self)))
+        current = run_settings(self, self._datamodule(trainer))
         applicable, refused = settings_changes(saved, current)
         if refused:
             raise CheckpointError(
