@@ -21,6 +21,9 @@ ROLLOUT_KEYS: tuple[str, ...] = (
     "invalid_rows",
     "dropped_rows",
     "kl_mean",
+    "mismatch_kl",
+    "mismatch_max_abs_log_ratio",
+    "mismatch_outside_fraction",
 )
 
 #: ``StepStats.metrics`` keys always present in a ``<role>/...`` row (NaN when not reported).

@@ -9,6 +9,7 @@ import torch
 from lppo.replay.base import ReplayStore
 from lppo.types import (
     ADVANTAGES,
+    GEN_LOGPROBS,
     INPUT_IDS,
     OLD_LOGPROBS,
     REF_LOGPROBS,
@@ -23,6 +24,7 @@ from lppo.types import (
 #: Replay columns that map onto named :class:`~lppo.types.Chunk` attributes.
 NAMED_COLUMNS = {
     OLD_LOGPROBS: "old_logprobs",
+    GEN_LOGPROBS: "gen_logprobs",
     REF_LOGPROBS: "ref_logprobs",
     VALUES: "values",
     ADVANTAGES: "advantages",

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lppo.algorithms.off_policy import Mismatch
 from lppo.chunks import unpad
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
@@ -285,18 +286,27 @@ class PPOController:
 
     @torch.no_grad()
     def _score(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
-        """Write π_old and reference log-probabilities, old values and reward-model rewards."""
+        """Write π_old and reference log-probabilities, old values and reward-model rewards.
+
+        Also measures the engine/trainer mismatch on every sampled token (π_old against the
+        engine's ``gen_logprobs``): ``mismatch_kl``, ``mismatch_max_abs_log_ratio`` and
+        ``mismatch_outside_fraction`` (bounds of ``actor.off_policy``), always on.
+        """
         scores: dict[int, float] = {}
         reuse = self.config.old_logprobs == "rollout"
-        for c, chunk in enumerate(self.data.stream(step, [GEN_LOGPROBS] if reuse else [])):
+        mismatch = Mismatch()
+        for c, chunk in enumerate(self.data.stream(step, [GEN_LOGPROBS])):
             if chunk.is_padding:
                 continue
             ctx.chunk = c
+            gen = chunk.gen_logprobs
+            assert gen is not None
             if reuse:  # the engine's sampling log-probabilities, masked as actor.score masks
-                gen = chunk.extras.pop(GEN_LOGPROBS)
                 old = torch.where(chunk.response_mask, gen, torch.zeros_like(gen))
             else:
                 old = self.actor.score(chunk)
+            # With old_logprobs=rollout, π_old is μ: the mismatch (and every IS weight) is 0 / 1.
+            mismatch.add(old.cpu(), gen, chunk.response_mask, self.actor.off_policy)
             columns = {OLD_LOGPROBS: unpad(chunk, old)}
             if self.critic is not None:
                 columns[VALUES] = unpad(chunk, self.critic.score(chunk))
@@ -307,7 +317,10 @@ class PPOController:
                 scores.update(zip(chunk.row_ids, rows, strict=True))
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
-        return self._combine_rewards(scores) if self.reward_model is not None else {}
+        stats = mismatch.metrics()
+        if self.reward_model is not None:
+            stats.update(self._combine_rewards(scores))
+        return stats
 
     def _combine_rewards(self, scores: dict[int, float]) -> dict[str, float]:
         """Replace each scored row's reward by the reward model's combination (row scalars).
@@ -357,6 +370,8 @@ class PPOController:
             The plans' padding fraction, mean over the epochs.
         """
         names = [VALUES, RETURNS] if phase == "critic" else [OLD_LOGPROBS, ADVANTAGES]
+        if phase == "actor" and self.actor.off_policy.enabled:
+            names.append(GEN_LOGPROBS)
         padding = 0.0
         for epoch in range(epochs):
             ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = phase, epoch, -1, -1

@@ -132,6 +132,7 @@ class Chunk:
         attention_mask: ``bool[B, T]``; ``True`` on real tokens.
         response_mask: ``bool[B, T]``; ``True`` on trained tokens.
         old_logprobs: ``float[B, T]`` π_old log-probabilities, when scored.
+        gen_logprobs: ``float[B, T]`` the engine's sampling log-probabilities, when read.
         ref_logprobs: ``float[B, T]`` reference log-probabilities, when scored.
         values: ``float[B, T]`` critic values at scoring time (the "old" values), when scored.
         advantages: ``float[B, T]`` whitened advantages, when computed.
@@ -146,6 +147,7 @@ class Chunk:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     old_logprobs: torch.Tensor | None = None
+    gen_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None

@@ -11,17 +11,29 @@ from lppo.algorithms.losses import (
     token_weights,
     value_loss,
 )
+from lppo.algorithms.off_policy import (
+    ImportanceWeights,
+    Mismatch,
+    OffPolicyCorrection,
+    OffPolicyMode,
+    importance_weights,
+)
 from lppo.algorithms.whitening import Moments, whiten
 
 __all__ = [
+    "ImportanceWeights",
     "KLKind",
     "LossAggregation",
+    "Mismatch",
     "Moments",
+    "OffPolicyCorrection",
+    "OffPolicyMode",
     "PolicyTerms",
     "ValueTerms",
     "advantages_and_returns",
     "entropy_from_logprobs",
     "gae",
+    "importance_weights",
     "kl_penalty",
     "last_valid_index",
     "policy_loss",

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lppo.algorithms.losses import entropy_from_logprobs, policy_loss
+from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.stats import SumStats
 from lppo.types import Chunk
@@ -54,6 +55,10 @@ class ActorModule(PPOModule):
         clip_high: ε_high of the ratio clip (``> clip_low`` is "clip-higher").
         dual_clip: dual-clip constant ``c > 1`` for negative advantages, or ``None``.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        off_policy: correction of the engine/trainer mismatch (opt-in truncated or masked
+            importance sampling against the engine's sampling log-probabilities; see
+            :mod:`lppo.algorithms.off_policy`); its bounds are also those of the
+            ``rollout/mismatch_outside_fraction`` metric.
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
             ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
             ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
@@ -68,6 +73,7 @@ class ActorModule(PPOModule):
         clip_high: float = 0.2,
         dual_clip: float | None = None,
         entropy_coef: float = 0.0,
+        off_policy: OffPolicyCorrection = OffPolicyCorrection(),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -96,6 +102,7 @@ class ActorModule(PPOModule):
         self.clip_high = clip_high
         self.dual_clip = dual_clip
         self.entropy_coef = entropy_coef
+        self.off_policy = off_policy
         self.temperature = 1.0
         self.spec: HFCausalLM | None = None
         self.model: nn.Module | None = None
@@ -175,9 +182,12 @@ class ActorModule(PPOModule):
         )
         mask = chunk.response_mask
         loss = terms.loss
+        if self.off_policy.enabled:
+            loss = loss * self._importance_weights(chunk, logprobs, sums)
+        policy = loss
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy
-        sums.add("policy_loss_sum", (terms.loss.detach() * mask).sum())
+        sums.add("policy_loss_sum", (policy.detach() * mask).sum())
         sums.add("clipped", (terms.clipped & mask).sum())
         sums.add("approx_kl_sum", (terms.approx_kl * mask).sum())
         sums.add("entropy_sum", (entropy.detach() * mask).sum())
@@ -186,10 +196,36 @@ class ActorModule(PPOModule):
         sums.update_min("ratio_min", terms.ratio.detach()[mask])
         return loss
 
+    def _importance_weights(
+        self, chunk: Chunk, logprobs: torch.Tensor, sums: SumStats
+    ) -> torch.Tensor:
+        """Detached per-token weights ``π_old / μ`` of the chunk (see ``off_policy``)."""
+        if chunk.gen_logprobs is None or chunk.old_logprobs is None:
+            raise ValueError(
+                "model.actor.init_args.off_policy is on but the chunk has no gen_logprobs "
+                "column; the controller reads it when actor.off_policy.enabled."
+            )
+        iw = importance_weights(
+            chunk.old_logprobs.to(logprobs.dtype),
+            chunk.gen_logprobs.to(logprobs.dtype),
+            self.off_policy,
+        )
+        mask = chunk.response_mask
+        sums.add("is_weight_sum", (iw.weight * mask).sum())
+        sums.add("is_outside", (iw.outside & mask).sum())
+        return iw.weight
+
     def metrics(self, sums: SumStats) -> dict[str, float]:
         """Token means of the policy loss, clip fraction, approx KL, entropy and ratio."""
         n = max(sums.get("valid_tokens"), 1.0)
+        extra = {}
+        if self.off_policy.enabled:
+            extra = {
+                "is_weight_mean": sums.get("is_weight_sum") / n,
+                "is_outside_fraction": sums.get("is_outside") / n,
+            }
         return {
+            **extra,
             "policy_loss": sums.get("policy_loss_sum") / n,
             "clip_fraction": sums.get("clipped") / n,
             "approx_kl": sums.get("approx_kl_sum") / n,

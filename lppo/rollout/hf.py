@@ -12,6 +12,45 @@ from lppo.tasks.base import Prompt
 from lppo.validation import check_number
 
 
+def prompt_text(
+    tokenizer: transformers.PreTrainedTokenizerBase, text: str, chat_template: bool
+) -> str:
+    """The text that is encoded for a prompt (one user turn of the chat template if asked)."""
+    if not chat_template:
+        return text
+    messages = [{"role": "user", "content": text}]
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def encode_prompt(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    text: str,
+    prepend_bos: bool,
+    chat_template: bool,
+) -> list[int]:
+    """Token ids of a prompt, as every engine encodes it (with BOS in front when asked).
+
+    With ``chat_template`` the prompt is first wrapped as one user turn (the templated text is
+    encoded without the tokenizer's own special tokens); the BOS token is then added only if
+    the ids do not start with it, so it is never doubled.
+
+    Raises:
+        ValueError: if the prompt encodes to no token at all.
+    """
+    special = not chat_template
+    ids = list(
+        tokenizer(prompt_text(tokenizer, text, chat_template), add_special_tokens=special)[
+            "input_ids"
+        ]
+    )
+    bos = tokenizer.bos_token_id
+    if prepend_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, int(bos))
+    if not ids:
+        raise ValueError(f"prompt {text!r} encodes to no token")
+    return ids
+
+
 @dataclass
 class _Sample:
     """One generated sample (see :class:`GenerationOutput` for the fields)."""
@@ -129,30 +168,11 @@ class HFGenerateEngine:
 
     def prompt_text(self, text: str) -> str:
         """The text that is encoded for a prompt (chat-templated when ``chat_template``)."""
-        if not self.chat_template:
-            return text
-        messages = [{"role": "user", "content": text}]
-        return str(
-            self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        )
+        return prompt_text(self.tokenizer, text, self.chat_template)
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a prompt (with BOS in front when the tokenizer has one).
-
-        With ``chat_template`` the prompt is first wrapped as one user turn (see the class
-        docstring); the BOS token is then added only if the templated ids do not start with it.
-
-        Raises:
-            ValueError: if the prompt encodes to no token at all.
-        """
-        special = not self.chat_template
-        ids = list(self.tokenizer(self.prompt_text(text), add_special_tokens=special)["input_ids"])
-        bos = self.tokenizer.bos_token_id
-        if self.prepend_bos and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, int(bos))
-        if not ids:
-            raise ValueError(f"prompt {text!r} encodes to no token")
-        return ids
+        """Token ids of a prompt (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, text, self.prepend_bos, self.chat_template)
 
     def generation_config(self, greedy: bool = False) -> transformers.GenerationConfig:
         """The ``GenerationConfig`` passed to ``generate``."""
