@@ -9,6 +9,7 @@ from lppo.chunks import NAMED_COLUMNS, collate, iter_chunks, pad_rows, padding_c
 from lppo.planner import ChunkPlanner
 from lppo.types import (
     ADVANTAGES,
+    GEN_LOGPROBS,
     INPUT_IDS,
     OLD_LOGPROBS,
     REF_LOGPROBS,
@@ -100,6 +101,7 @@ def test_every_named_column_maps_to_its_attribute() -> None:
             assert got.sum().item() == 1 * 2 + 2 * 4 + 3 * 3
     assert set(NAMED_COLUMNS) == {
         OLD_LOGPROBS,
+        GEN_LOGPROBS,
         REF_LOGPROBS,
         VALUES,
         ADVANTAGES,
