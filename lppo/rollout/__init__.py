@@ -12,6 +12,7 @@ from lppo.rollout.base import (
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
+from lppo.rollout.vllm import VLLMEngine
 
 __all__ = [
     "TRUNCATED",
@@ -24,6 +25,7 @@ __all__ = [
     "RolloutSource",
     "RolloutWorkerError",
     "StaleWeightsError",
+    "VLLMEngine",
     "derive_seed",
     "score",
     "to_rollout",
