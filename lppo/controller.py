@@ -317,6 +317,7 @@ class PPOController:
                 scores.update(zip(chunk.row_ids, rows, strict=True))
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
+        mismatch.all_reduce(self.parallel.data)  # each rank scored only its own rows
         stats = mismatch.metrics()
         if self.reward_model is not None:
             stats.update(self._combine_rewards(scores))

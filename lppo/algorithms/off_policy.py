@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from lppo.algorithms.losses import LOG_RATIO_CLAMP
+from lppo.parallel import SINGLE, ProcessGroup
 
 OffPolicyMode = Literal["none", "truncate", "mask"]
 
@@ -154,6 +155,16 @@ class Mismatch:
         self.kl_sum += float(((w - 1.0) - d).sum())
         self.max_abs_log_ratio = max(self.max_abs_log_ratio, float(d.abs().max()))
         self.outside += int(((w > correction.cap) | (w < correction.lower)).sum())
+
+    def all_reduce(self, group: ProcessGroup = SINGLE) -> None:
+        """Sum the counts and sums, take the max of the maxima, over ``group``'s ranks."""
+        if group.size == 1:
+            return
+        sums = torch.tensor([self.tokens, self.kl_sum, self.outside], dtype=torch.float64)
+        tokens, kl_sum, outside = group.all_reduce(sums, "sum").tolist()
+        top = group.all_reduce(torch.tensor([self.max_abs_log_ratio], dtype=torch.float64), "max")
+        self.tokens, self.kl_sum, self.outside = round(tokens), kl_sum, round(outside)
+        self.max_abs_log_ratio = float(top[0])
 
     def metrics(self) -> dict[str, float]:
         """``mismatch_kl``, ``mismatch_max_abs_log_ratio``, ``mismatch_outside_fraction``."""

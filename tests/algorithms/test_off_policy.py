@@ -116,3 +116,43 @@ def test_mismatch_of_identical_logprobs_is_zero():
         "mismatch_max_abs_log_ratio": 0.0,
         "mismatch_outside_fraction": 0.0,
     }
+
+
+def _halves(seed: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -torch.rand(6, 9, generator=g, dtype=torch.float64) * 3
+    old = behaviour + 0.8 * torch.randn(6, 9, generator=g, dtype=torch.float64)
+    mask = torch.rand(6, 9, generator=g) > 0.3
+    return old, behaviour, mask
+
+
+def _mismatch_rank(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from lppo.parallel import ProcessGroup
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        old, behaviour, mask = _halves()
+        rows = slice(0, 2) if rank == 0 else slice(2, 6)  # uneven shares
+        mm = Mismatch()
+        mm.add(old[rows], behaviour[rows], mask[rows], OffPolicyCorrection(cap=1.5))
+        mm.all_reduce(ProcessGroup(world, rank))
+        torch.save(mm.metrics(), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_mismatch_reduced_over_ranks_equals_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "mm")
+    mp.spawn(_mismatch_rank, args=(2, f"file://{tmp_path / 'init'}", out), nprocs=2, join=True)
+    whole = Mismatch()
+    whole.add(*_halves(), OffPolicyCorrection(cap=1.5))
+    want = whole.metrics()
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}", weights_only=True)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-12), (rank, key)
