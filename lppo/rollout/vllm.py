@@ -196,7 +196,10 @@ class VLLMEngine:
             max_tokens=s.max_new_tokens,
             logprobs=0,  # the sampled token's log-probability only
             seed=seed,
-            stop_token_ids=[self.eos_token_id],
+            min_tokens=s.min_new_tokens,
+            # ignore_eos: no stop token, so every response runs to max_new_tokens
+            stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
+            ignore_eos=s.ignore_eos,
             detokenize=False,
         )
 
@@ -253,7 +256,8 @@ class VLLMEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, bool]:
         """One packed sample from a vLLM ``CompletionOutput`` (cut after the first EOS)."""
         tokens = list(completion.token_ids)
-        done = self.eos_token_id in tokens
+        ignore_eos = self.sampling.ignore_eos
+        done = self.eos_token_id in tokens and not ignore_eos
         n = tokens.index(self.eos_token_id) + 1 if done else len(tokens)
         tokens = tokens[:n]
         if completion.logprobs is None or len(completion.logprobs) < n:
@@ -270,4 +274,4 @@ class VLLMEngine:
         text_ids = tokens[:-1] if done else tokens
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         ids = torch.tensor(prompt + tokens, dtype=torch.int64)
-        return ids, mask, logprobs, text, not done
+        return ids, mask, logprobs, text, not (done or ignore_eos)
