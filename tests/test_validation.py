@@ -30,6 +30,10 @@ NUMERIC = (int, float)
 #: A value outside each knob's range (by the knob's last name); non-finite values and (for
 #: integer knobs) fractions are tried on every knob besides these.
 OUT_OF_RANGE: dict[str, str] = {
+    "cap": "0.5",
+    "floor": "1.5",
+    "gpu_memory_utilization": "0",
+    "max_model_len": "1",
     "lr": "0",
     "weight_decay": "-0.1",
     "betas": "[0.9, 1.0]",
