@@ -126,12 +126,12 @@ class ExplodingActor(ActorModule):
 @pytest.mark.parametrize(
     ("callbacks", "actor_cls", "where"),
     [
-        ([Boom("critic", 1)], ActorModule, r"phase critic, epoch 1, chunk 0: ValueError: boom"),
-        ([Boom("actor", 1)], ActorModule, r"phase actor, epoch 1, chunk 0: ValueError: boom"),
+        ([Boom("critic", 1)], ActorModule, r"phase critic, epoch 2, chunk 1: ValueError: boom"),
+        ([Boom("actor", 1)], ActorModule, r"phase actor, epoch 2, chunk 1: ValueError: boom"),
         (
             [],
             ExplodingActor,
-            r"phase actor, epoch 0, minibatch 1, chunk 0: RuntimeError: chunk exploded",
+            r"phase actor, epoch 1, minibatch 2, chunk 1: RuntimeError: chunk exploded",
         ),
     ],
     ids=["callback-critic", "callback-actor", "chunk-actor"],
@@ -233,7 +233,7 @@ def test_failed_fit_stops_everything_it_started_and_leaves_no_process(tmp_path: 
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["error"].startswith("iteration 0, phase actor")
+    assert report["error"].startswith("iteration 1, phase actor")
     names = set(report["during"].values())
     assert {"gcs_server", "raylet", "ray::TransferQueueController"} <= names, names
     assert {"ray::SimpleStorageUnit", "ray::Catalog"} <= names, names
