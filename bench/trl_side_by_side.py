@@ -41,7 +41,7 @@ sys.path.insert(0, HERE)
 
 import _trl_assets  # noqa: E402
 
-TUNED = ["old_logprobs=rollout", "score_chunk_tokens=5120", "gen_batch=64", "sort_by_length=1"]
+TUNED = ["old_logprobs=rollout", "score_chunk_tokens=2560", "gen_batch=64", "sort_by_length=1"]
 
 
 def ensure_trl_venv(path: str) -> str:
