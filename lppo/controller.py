@@ -130,10 +130,25 @@ class PPOController:
                 if module is not None:
                     disable_dropout(module)
         self.callbacks: list[PPOCallback] = list(callbacks)
-        for builtin in (OptimizerStep, RowRetention, AbortCleanup):
-            if not any(isinstance(cb, builtin) for cb in self.callbacks):
-                self.callbacks.append(builtin())
+        #: The built-ins installed here (not among the trainer's callbacks, so Lightning does
+        #: not checkpoint them; :meth:`installed_state` does).
+        self.installed: tuple[PPOCallback, ...] = tuple(
+            builtin()
+            for builtin in (OptimizerStep, RowRetention, AbortCleanup)
+            if not any(isinstance(cb, builtin) for cb in self.callbacks)
+        )
+        self.callbacks.extend(self.installed)
         self.trainer = trainer
+
+    def installed_state(self) -> dict[str, dict[str, Any]]:
+        """``class name -> state_dict()`` of the built-in callbacks installed here."""
+        return {type(cb).__name__: cb.state_dict() for cb in self.installed}
+
+    def load_installed_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Restore :meth:`installed_state` (callbacks missing from ``state`` keep theirs)."""
+        for cb in self.installed:
+            if type(cb).__name__ in state:
+                cb.load_state_dict(state[type(cb).__name__])
 
     def trainable_modules(self) -> tuple[PPOModule, ...]:
         """The modules that take optimizer steps (critic first, when there is one)."""

@@ -227,15 +227,19 @@ class PPOSystem(LightningModule):
             close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the task's state (e.g. its position in a prompt file) to the checkpoint."""
+        """Add the task's state, the failure and skip counters and the run's settings."""
         checkpoint["lppo_task"] = self.task.state_dict()
         checkpoint["lppo_failed_iterations"] = self.failures.failed
+        if self.controller is not None:  # e.g. OptimizerStep's per-run skipped-step count
+            checkpoint["lppo_builtin_callbacks"] = self.controller.installed_state()
         checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(attached_trainer(self)))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the task's state, so a resumed run continues its prompts where it stopped."""
         self.task.load_state_dict(checkpoint.get("lppo_task", {}))
         self.failures.failed = int(checkpoint.get("lppo_failed_iterations", 0))
+        if self.controller is not None:
+            self.controller.load_installed_state(checkpoint.get("lppo_builtin_callbacks", {}))
         saved = checkpoint.get(SETTINGS_KEY)
         trainer = attached_trainer(self)
         if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)

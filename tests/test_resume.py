@@ -91,3 +91,23 @@ def test_crash_mid_iteration_restarts_that_iteration(tmp_path):
     # The crashed iteration's rows were released and the last checkpoint is iteration 1's.
     _, resumed = fit(tmp_path / "crash", 3, ckpt_path="last")
     assert_same(params(straight), params(resumed))
+
+
+class PoisonActorGrads(PPOCallback):
+    """Makes every actor step's gradient NaN, so OptimizerStep skips the step."""
+
+    def on_chunk_end(self, ctx, result):
+        if ctx.phase == "actor":
+            for p in ctx.module.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+
+
+def test_the_per_run_skipped_step_budget_survives_a_resume(tmp_path):
+    budget = {"max_skipped_steps": 3, "max_consecutive_skipped_steps": 10}
+    # Iteration 1 skips its 2 actor steps (2 of 3 allowed) and is checkpointed.
+    with pytest.warns(RuntimeWarning, match="actor step skipped"):
+        fit(tmp_path, 1, callbacks=[PoisonActorGrads()], **budget)
+    # The resumed run's first skipped step is the run's third, its second is one too many.
+    with pytest.warns(RuntimeWarning), pytest.raises(IterationError, match="max_skipped_steps=3"):
+        fit(tmp_path, 2, ckpt_path="last", callbacks=[PoisonActorGrads()], **budget)
