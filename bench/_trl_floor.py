@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _turns
 from _trl_assets import VOCAB, load_prompts, peak_rss_mb
 
 
@@ -99,8 +100,11 @@ def main() -> None:
             opt_actor.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
+    _turns.begin()
     train()  # warm-up, like the first iteration of lppo and TRL
+    _turns.next_turn()
     seconds = train()
+    _turns.next_turn()
     print(json.dumps({"side": "floor", "training": seconds, "peak_rss_mb": peak_rss_mb()}))
 
 

@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _turns
 from _trl_assets import load_prompts, peak_rss_mb
 
 
@@ -114,6 +115,7 @@ def main() -> None:
 
     class Record(PPOCallback):
         def on_train_epoch_start(self, trainer, pl_module) -> None:
+            _turns.begin()
             self.start = time.perf_counter()
 
         def on_iteration_end(self, ctx, result) -> None:
@@ -127,6 +129,7 @@ def main() -> None:
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             rows.append({**self.row, "total": time.perf_counter() - self.start})
+            _turns.next_turn()
 
     class Profile(Callback):
         def __init__(self, path: str) -> None:

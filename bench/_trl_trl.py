@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _turns
 from _trl_assets import load_prompts, peak_rss_mb
 
 
@@ -38,7 +39,8 @@ def main() -> None:
     generate = mod.batch_generation
 
     def timed_generation(*args, **kwargs):
-        current["gen_start"] = time.perf_counter()
+        _turns.begin()  # an iteration starts with its generation
+        current["start"] = current["gen_start"] = time.perf_counter()
         out = generate(*args, **kwargs)
         current["gen_end"] = time.perf_counter()
         return out
@@ -54,14 +56,10 @@ def main() -> None:
     mod.forward = timed_forward
 
     class Marks(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            current["start"] = time.perf_counter()
-
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            marks.append({**current, "end": now})
+            marks.append({**current, "end": time.perf_counter()})
             current.clear()
-            current["start"] = now
+            _turns.next_turn()
 
     tok = transformers.AutoTokenizer.from_pretrained(os.path.join(root, "tokenizer"))
     tok.padding_side = "left"

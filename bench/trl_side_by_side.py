@@ -12,6 +12,9 @@ torch stays the local 2.13.0 CPU build), writes the shared inputs once (``_trl_a
 ``LlamaForSequenceClassification`` reward model, the prompts), then for every setting runs
 each variant in its own fresh process, alternating which goes first, and prints a markdown
 report (medians over the timed iterations; the first iteration of each process is a warm-up).
+All variants of a setting run at once but take turns, iteration by iteration, in an order
+reversed every round (``_turns``): only one is ever timed, and a slow minute on a shared
+machine lands on every variant alike.
 
 Work, identical on both sides: ``N`` prompts per iteration, one sample each, exactly 64 new
 tokens (TRL: no stop token; lppo: ``rollout.ignore_eos``), temperature 1, a frozen reference
@@ -33,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,14 +62,59 @@ def ensure_trl_venv(path: str) -> str:
     return python
 
 
-def run(cmd: list[str], timeout: float) -> dict:
+def run_paired(cmds: dict[str, list[str]], timeout: float) -> dict[str, dict]:
+    """Run every command at once, taking turns iteration by iteration (``_turns``).
+
+    Round ``r`` grants one turn to every live process, in order (reversed on odd rounds),
+    and waits for it to end before the next; the first round starts once every process has
+    finished its set-up. Returns each command's JSON line.
+    """
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    procs = {}
+    for name, cmd in cmds.items():
+        read, write = os.pipe()
+        log = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**env, "LPPO_BENCH_TURN_FD": str(write)},
+            pass_fds=(write,),
+        )
+        os.close(write)
+        procs[name] = (proc, os.fdopen(read), log)
+    deadline = time.monotonic() + timeout
+    ready = {name: ctl.readline() == "ready\n" for name, (_, ctl, _) in procs.items()}
+    live = [name for name in procs if ready[name]]
+    rnd = 0
+    while live:
+        for name in list(live if rnd % 2 == 0 else live[::-1]):
+            proc, ctl, _ = procs[name]
+            if not ready[name] and ctl.readline() != "ready\n":
+                live.remove(name)  # it exited
+                continue
+            ready[name] = False
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            if ctl.readline() != "done\n":
+                live.remove(name)  # its last turn: teardown, result, exit
+            if time.monotonic() > deadline:
+                for p, _, _ in procs.values():
+                    p.kill()
+                raise TimeoutError(f"{list(cmds)} ran past --timeout {timeout} s")
+        rnd += 1
+    results = {}
+    for name, (proc, _, log) in procs.items():
+        out = proc.stdout.read()
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if proc.wait() != 0 or not lines:
+            log.seek(0)
+            raise RuntimeError(f"{name}: {' '.join(cmds[name][:4])} failed:\n{log.read()[-3000:]}")
+        results[name] = json.loads(lines[-1])
+    return results
 
 
 def command(variant: str, args: argparse.Namespace, trl_python: str, setup: str, n: int) -> list:
@@ -162,17 +211,18 @@ def main() -> None:
     started = time.time()
     for setup, n in settings:
         for r in range(args.rounds):
-            order = args.variants if (r + len(results)) % 2 == 0 else args.variants[::-1]
-            for variant in order:
-                t0 = time.time()
-                out = summarize(run(command(variant, args, trl_python, setup, n), args.timeout))
+            t0 = time.time()
+            order = args.variants if r % 2 == 0 else args.variants[::-1]
+            cmds = {v: command(v, args, trl_python, setup, n) for v in order}
+            for variant, raw in run_paired(cmds, args.timeout).items():
+                out = summarize(raw)
                 results.setdefault((setup, n), {}).setdefault(variant, []).append(out)
                 print(
                     f"[{time.time() - started:6.0f}s] {setup} {n} {variant}: "
-                    f"{out.get('total', out['training']):.2f}s/iter "
-                    f"({time.time() - t0:.0f}s)",
+                    f"{out.get('total', out['training']):.2f}s/iter",
                     file=sys.stderr,
                 )
+            print(f"  round {r + 1}: {time.time() - t0:.0f}s", file=sys.stderr)
         # keep the variants' order stable in the report
         results[(setup, n)] = {v: results[(setup, n)][v] for v in args.variants}
     print(
