@@ -43,13 +43,13 @@ from lppo.modules.reward_model import RewardModel
 from lppo.modules.snapshot import Transaction
 from lppo.parallel import ParallelContext
 from lppo.planner import RowLayout
+from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
 from lppo.stats import Moments
 from lppo.types import (
     ADVANTAGES,
     GEN_LOGPROBS,
     OLD_LOGPROBS,
     REF_LOGPROBS,
-    RESPONSE_MASK,
     RETURNS,
     REWARD,
     RM_SCORE,
@@ -155,13 +155,18 @@ class PPOController:
         return (self.actor,) if self.critic is None else (self.critic, self.actor)
 
     def run_iteration(
-        self, rollout: Rollout, iteration: int, dropped: int = 0, rollout_seconds: float = 0.0
+        self,
+        rollout: Rollout | StoredRollout,
+        iteration: int,
+        dropped: int = 0,
+        rollout_seconds: float = 0.0,
     ) -> IterationResult:
         """Run one RL iteration on ``rollout``; rows are released whatever happens.
 
         Args:
             rollout: this rank's samples of the iteration (already scored by the reward
-                function); under data parallelism each rank passes its own.
+                function), or their rows already in the store (put by the engine's workers);
+                under data parallelism each rank passes its own.
             iteration: iteration index (seeds the shuffles; decides critic warmup).
             dropped: this rank's samples lost before reaching the store (summed over ranks,
                 they count against the drop budget).
@@ -192,7 +197,11 @@ class PPOController:
 
     # ----------------------------------------------------------------- phases
     def _run(
-        self, ctx: IterationContext, rollout: Rollout, dropped: int, rollout_seconds: float
+        self,
+        ctx: IterationContext,
+        rollout: Rollout | StoredRollout,
+        dropped: int,
+        rollout_seconds: float,
     ) -> IterationResult:
         cfg = self.config
         seconds = {"rollout": rollout_seconds}
@@ -250,45 +259,36 @@ class PPOController:
         return result
 
     def _collect(
-        self, ctx: IterationContext, rollout: Rollout, dropped: int
+        self, ctx: IterationContext, rollout: Rollout | StoredRollout, dropped: int
     ) -> tuple[dict[str, float], int]:
-        """Mark invalid rows, put the rollout into the store, report rollout statistics.
+        """Put the rollout into the store (unless its rows are there), report its statistics.
+
+        A :class:`~lppo.rollout.RolloutSource` whose engine wrote the rows into a shared store
+        itself hands over a :class:`StoredRollout`; samples the trainer holds are put here, by
+        the same :func:`put_rollout` the engine's workers call.
 
         Returns:
             The statistics over every rank's rollout, and every rank's response tokens.
         """
-        columns = rollout.columns()
-        masks = columns[RESPONSE_MASK]
-        rewards = columns[REWARD]
-        truncated = columns.pop("truncated", None)
-        bound = self.config.max_abs_reward
-        bad_rewards = 0
-        for i, reward in enumerate(rewards):
-            value = float(reward)
-            bad_reward = not math.isfinite(value) or (bound is not None and abs(value) > bound)
-            bad_rewards += bad_reward
-            overlong = self.config.mask_truncated and truncated is not None and bool(truncated[i])
-            if bad_reward or overlong:
-                masks[i] = torch.zeros_like(masks[i])
-            if bad_reward:
-                rewards[i] = torch.zeros_like(reward)
-        ids = self.data.store.allocate(len(rollout))
-        self.data.store.put(ids, columns)
-        ctx.row_ids = ids
+        if isinstance(rollout, Rollout):
+            store = self.data.store
+            ids = store.allocate(len(rollout))
+            rollout = put_rollout(store, ids, rollout, RowRules.of(self.config))
+        ctx.row_ids = rollout.row_ids  # from here on the release path covers them
         self._emit("on_rollout_end", ctx)
-        return self._rollout_stats(rollout, dropped, bad_rewards)
+        return self._rollout_stats(rollout, dropped)
 
-    def _rollout_stats(
-        self, rollout: Rollout, dropped: int, bad_rewards: int
-    ) -> tuple[dict[str, float], int]:
+    def _rollout_stats(self, rows: StoredRollout, dropped: int) -> tuple[dict[str, float], int]:
         """Reward and length moments and loss counts of every rank's rows (as generated)."""
         group = self.parallel.data
         reward, length = Moments(), Moments()
-        reward.update(rollout.reward[torch.isfinite(rollout.reward)])
-        length.update(torch.tensor([float(m.sum()) for m in rollout.response_mask]))
+        reward.update(rows.reward[torch.isfinite(rows.reward)])
+        length.update(rows.response_tokens)
         reward.all_reduce(group)
         length.all_reduce(group)
-        counts = torch.tensor([dropped, bad_rewards, length.count * length.mu], dtype=torch.float64)
+        counts = torch.tensor(
+            [dropped, rows.bad_rewards, length.count * length.mu], dtype=torch.float64
+        )
         dropped_all, bad_all, tokens = group.all_reduce(counts).tolist()
         stats = {
             "reward_mean": reward.mu if reward.count else float("nan"),

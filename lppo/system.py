@@ -20,6 +20,7 @@ from lppo.hooks import PPOCallback
 from lppo.loop import attached_trainer, instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
+from lppo.replay.rollout_rows import RowRules
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
 from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task
@@ -180,7 +181,14 @@ class PPOSystem(LightningModule):
             )
         self.engine.setup(self.actor.policy(), tok, r)
         self.rollout_source = RolloutSource(
-            self.task, self.engine, self.actor, r, seed=self.seed, group=parallel.data
+            self.task,
+            self.engine,
+            self.actor,
+            r,
+            seed=self.seed,
+            group=parallel.data,
+            store=data.store,
+            rules=RowRules.of(self.ppo),
         )
 
     def _log_failure(self, iteration: int) -> None:

@@ -25,6 +25,8 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 TASK_REWARD = "task_reward"
 RM_SCORE = "rm_score"
+# Row-level (bool, 0-dim) extra of a rollout: the sample hit max_new_tokens (read when put).
+TRUNCATED = "truncated"
 
 
 @dataclass

@@ -137,11 +137,12 @@ def test_megatron_config_learns(tmp_path):
 @pytest.mark.distributed
 def test_ray_workers_config_runs(tmp_path):
     """``configs/ray_workers.yaml`` (2 Ray rollout workers + TransferQueue), shortened to 2
-    iterations, on the session's Ray (same settings, so the fit attaches to it)."""
+    iterations, on the session's Ray (same settings, so the fit attaches to it); the workers
+    put the rows into TransferQueue themselves."""
     import _tq
 
     _tq.start()
-    run(
+    cli = run(
         [
             "fit",
             "--config",
@@ -156,6 +157,7 @@ def test_ray_workers_config_runs(tmp_path):
             _tq.TEMP_DIR,
         ]
     )
+    assert cli.model.rollout_source.writer is cli.model.engine  # rows put by the workers
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 2
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()

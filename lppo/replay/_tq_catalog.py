@@ -144,6 +144,9 @@ class Catalog:
     def commit_put(self, partition: str, ids: list[int]) -> Reply:
         """Make reserved rows live (their tensors are in TransferQueue now)."""
         p = self._p(partition)
+        gone = [i for i in ids if i not in p.pending]
+        if gone:
+            return "KeyError", f"put: rows {gone} were discarded while their put was in flight"
         for i in ids:
             p.rows[i] = p.pending.pop(i)
             p.released.discard(i)
@@ -271,6 +274,15 @@ class Catalog:
             p.claims.pop(i, None)
             p.released.add(i)
         return _ok()
+
+    def discard(self, partition: str, ids: list[int]) -> Reply:
+        """Delete live rows and undo pending puts among ``ids``; skip the others."""
+        p = self._p(partition)
+        pending = [i for i in ids if i in p.pending]
+        if pending:
+            self.abort_put(partition, pending)
+        live = [i for i in ids if i in p.rows]
+        return self.release(partition, live) if live else _ok()
 
     def clear(self, partition: str) -> Reply:
         """Release every live row; returns their ids."""

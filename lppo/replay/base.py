@@ -19,6 +19,8 @@ Rules every backend follows (the conformance suite in ``tests/replay`` checks th
   survive ``state_dict`` / ``load_state_dict``), so the store, not its callers, owns row ids.
 * ``shared`` says whether other processes see the same rows (a shared store) or each process
   has its own (a local one).
+* ``discard`` deletes whatever ids hold, live rows or a put still in flight (its writer died
+  half-way), and skips ids that hold nothing: how a writer's caller cleans up after it.
 * ``claim`` marks rows as retained by an owner until they are released; claiming a row that is
   already claimed raises ``RuntimeError``.
 * ``close`` lets go of what the store holds outside this process's memory (connections, and
@@ -108,6 +110,17 @@ class ReplayStore(Protocol):
 
     def release(self, ids: Sequence[int]) -> None:
         """Delete rows ``ids`` (exactly once; a second release raises ``KeyError``)."""
+        ...
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Delete whatever ``ids`` hold (live rows, or a put whose writer died half-way).
+
+        Ids that hold nothing (never put, released) are skipped: cleanup after a failed
+        writer, whose caller does not know how far it got.
+
+        Raises:
+            ValueError: ``ids`` repeats an id.
+        """
         ...
 
     def clear(self) -> None:

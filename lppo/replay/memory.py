@@ -290,6 +290,14 @@ class MemoryReplayStore:
             col.drop(ks)
         self._free.extend(ks)
 
+    def discard(self, ids: Sequence[int]) -> None:
+        """Release those of ``ids`` that are live (a put here is never left half-way).
+
+        Raises:
+            ValueError: ``ids`` repeats an id.
+        """
+        self.release([i for i in as_ids("discard", ids) if i in self._index])
+
     def clear(self) -> None:
         """Delete every live row (schema and column specs kept; the ids become released)."""
         for i in self._index:

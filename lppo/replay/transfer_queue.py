@@ -265,7 +265,11 @@ class TransferQueueReplayStore:
         except BaseException:
             self._call("abort_put", id_list)
             raise
-        self._call("commit_put", id_list)
+        try:
+            self._call("commit_put", id_list)
+        except KeyError:  # discarded meanwhile (discard): take back what was transferred
+            self._clear_keys(id_list)
+            raise
 
     def _batch(self, cols: dict[str, list[torch.Tensor]], specs: dict[str, tuple[str, int]]) -> Any:
         from tensordict import TensorDict
@@ -390,6 +394,20 @@ class TransferQueueReplayStore:
         id_list = as_ids("release", ids)
         self._call("release", id_list)
         self._clear_keys(id_list)
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Delete what ``ids`` hold: live rows, and puts reserved whose writer died half-way.
+
+        Every id's key is cleared from TransferQueue (keys it does not hold are skipped), so
+        tensors a dead writer transferred before its put was committed go too.
+
+        Raises:
+            ValueError: ``ids`` repeats an id.
+        """
+        id_list = as_ids("discard", ids)
+        if id_list:
+            self._call("discard", id_list)
+            self._clear_keys(id_list)
 
     def clear(self) -> None:
         """Delete every live row (schema and column specs kept; the ids become released)."""

@@ -14,12 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lppo.replay.base import ReplayStore
+from lppo.replay.rollout_rows import RowRules, StoredRollout
 from lppo.tasks.base import Prompt, Task
-from lppo.types import Rollout
+from lppo.types import TRUNCATED, Rollout
 from lppo.validation import check_number
-
-#: Name of the row-level extra column :func:`to_rollout` adds for truncated samples.
-TRUNCATED = "truncated"
 
 
 @dataclass
@@ -170,6 +169,62 @@ class RolloutEngine(Protocol):
 
     def sync_from(self, policy: torch.nn.Module, version: int) -> None:
         """Sample from ``policy``'s current weights from now on; set ``weights_version``."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptBlock:
+    """Prompts generated together from one seed (one block of ``model.rollout``).
+
+    Attributes:
+        start: index of the block's first prompt among the iteration's prompts (the block's
+            samples answer prompts ``start + i``).
+        prompts: the block's prompts.
+        seed: the block's generation seed.
+    """
+
+    start: int
+    prompts: list[Prompt]
+    seed: int
+
+
+@dataclass(frozen=True)
+class RowJob:
+    """What an engine needs to write a rank's rollout rows into a shared store itself.
+
+    Attributes:
+        blocks: this rank's blocks, in order (their rows come back in this order).
+        samples_per_prompt: responses sampled per prompt.
+        task: rewards the samples (``score``: one ``Task.rewards`` call per unit of work, so a
+            reward must not depend on which other samples share its call).
+        rules: which rows become invalid when put (``model.ppo``).
+    """
+
+    blocks: list[PromptBlock]
+    samples_per_prompt: int
+    task: Task
+    rules: RowRules
+
+
+@runtime_checkable
+class StoreWritingEngine(Protocol):
+    """A :class:`RolloutEngine` that also writes rows into a shared store from its own processes.
+
+    :class:`~lppo.rollout.RolloutSource` uses it when the replay store is shared
+    (``store.shared``); the trainer then receives row ids and per-row scalars, never the
+    samples' tensors. Each unit of work must sample what :meth:`RolloutEngine.generate` would
+    for it, reward with :func:`score` and put with :func:`~lppo.replay.rollout_rows.put_rollout`
+    into ids from ``store.allocate``. A failed call leaves nothing in the store.
+    """
+
+    def generate_into(self, store: ReplayStore, job: RowJob) -> StoredRollout:
+        """Sample, reward and put ``job``'s rows into ``store``; return them in block order.
+
+        Samples lost for good are counted in ``StoredRollout.dropped``.
+
+        Raises:
+            RewardError: the task's reward failed (nothing of the call stays in the store).
+        """
         ...
 
 

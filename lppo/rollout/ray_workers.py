@@ -1,11 +1,17 @@
 """``RayWorkersEngine``: N rollout workers as Ray actors, each with its own engine.
 
 Each worker is a Ray actor process holding its own copy of the policy inside its own engine
-(:class:`~lppo.rollout.HFGenerateEngine` on CPU by default, configured by ``engine``). A
-``generate`` call cuts the prompts into ``num_workers`` contiguous parts; part ``p`` samples
-from a seed derived from ``(seed, p)`` (part 0 keeps ``seed``), so a part's samples do not
-depend on which worker runs it: a replaced worker retrying a part samples exactly what the
-dead one would have. Results depend on ``num_workers`` as they do on the seed.
+(:class:`~lppo.rollout.HFGenerateEngine` on CPU by default, configured by ``engine``). Every
+block of prompts is cut into ``num_workers`` contiguous parts; part ``p`` samples from a seed
+derived from ``(block seed, p)`` (part 0 keeps it), so a part's samples do not depend on which
+worker runs it: a replaced worker retrying a part samples exactly what the dead one would have.
+Results depend on ``num_workers`` as they do on the seed.
+
+Rows: with a shared store (TransferQueue) the engine is a
+:class:`~lppo.rollout.StoreWritingEngine`: each worker rewards its part and puts the rows into
+the store from its own process (:meth:`generate_into`), and the trainer gets row ids and
+per-row scalars back, never the tensors. With a local store the workers return their samples
+(:meth:`generate`) and the trainer rewards and puts them.
 
 Weights: :meth:`sync_from` puts the policy's state dict into Ray's object store once and every
 worker loads it and reports the version; every part's result carries the version the worker
@@ -15,8 +21,7 @@ Failures: every wait is bounded by ``timeout_s`` and fails with :class:`RolloutW
 naming the worker and the knob. A worker that died (killed, crashed) is replaced by a fresh
 actor loaded with the current weights and its part is retried, up to ``max_restarts`` times
 per call; a part that still fails is dropped: its samples are missing from the output and
-counted in :attr:`~lppo.rollout.GenerationOutput.dropped`, so they count against
-``data.drop_budget``.
+counted as dropped, so they count against ``data.drop_budget``.
 
 Ray comes from :mod:`lppo.ray_runtime` (a local Ray on loopback unless ``address`` is given);
 :meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
@@ -25,15 +30,27 @@ Ray comes from :mod:`lppo.ray_runtime` (a local Ray on loopback unless ``address
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lppo.ray_runtime import RaySettings, acquire_ray, ray_module, release_ray
-from lppo.rollout.base import GenerationOutput, RolloutEngine, RolloutSettings
+from lppo.replay.base import ReplayStore
+from lppo.replay.rollout_rows import RowRules, StoredRollout, concat_stored, put_rollout
+from lppo.rollout.base import (
+    GenerationOutput,
+    PromptBlock,
+    RolloutEngine,
+    RolloutSettings,
+    RowJob,
+    score,
+    to_rollout,
+)
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.source import concat_outputs, derive_seed
-from lppo.tasks.base import Prompt
+from lppo.tasks.base import Prompt, Task
 from lppo.validation import check_number
 
 __all__ = ["RayWorkersEngine", "RolloutWorker", "RolloutWorkerError"]
@@ -41,6 +58,40 @@ __all__ = ["RayWorkersEngine", "RolloutWorker", "RolloutWorkerError"]
 
 class RolloutWorkerError(RuntimeError):
     """A rollout worker did not answer in time, or failed in a way a retry cannot fix."""
+
+
+@dataclass
+class _Part:
+    """One worker's share of a block: prompts sampled together from one seed.
+
+    Attributes:
+        index: position among the call's parts (it runs on worker ``index % num_workers``).
+        prompts: the part's prompts.
+        seed: its generation seed.
+        start: ``prompt_index`` of its first prompt.
+        ids: row ids its samples are put under (only when the worker puts them).
+    """
+
+    index: int
+    prompts: list[Prompt]
+    seed: int
+    start: int
+    ids: tuple[int, ...] = ()
+
+
+def _parts(blocks: list[PromptBlock], num_workers: int) -> list[_Part]:
+    """Each block cut into ``num_workers`` contiguous parts, in order.
+
+    Part ``p`` of a block samples from a seed derived from ``(block seed, p)`` (part 0 keeps
+    the block's), so a part's samples do not depend on the worker that runs it.
+    """
+    parts: list[_Part] = []
+    for block in blocks:
+        size = -(-len(block.prompts) // num_workers)
+        for p, at in enumerate(range(0, len(block.prompts), size)):
+            seed = derive_seed(block.seed, "part", p) if p else block.seed
+            parts.append(_Part(len(parts), block.prompts[at : at + size], seed, block.start + at))
+    return parts
 
 
 class RolloutWorker:
@@ -73,6 +124,35 @@ class RolloutWorker:
         """The engine's samples and the weights version they were sampled from."""
         output = self.engine.generate(prompts, samples_per_prompt, seed)
         return output, self.engine.weights_version
+
+    def generate_into(
+        self,
+        store: ReplayStore,
+        ids: tuple[int, ...],
+        prompts: list[Prompt],
+        samples_per_prompt: int,
+        seed: int,
+        start: int,
+        task: Task,
+        rules: RowRules,
+        version: int,
+    ) -> StoredRollout:
+        """Sample, reward and put the samples as rows ``ids`` of ``store``, from this process.
+
+        ``start`` is the ``prompt_index`` of ``prompts[0]``; ``version`` the weights version
+        the trainer expects (checked before anything is sampled or put).
+        """
+        if self.engine.weights_version != version:
+            raise RolloutWorkerError(
+                f"worker holds weights version {self.engine.weights_version}, not {version}."
+            )
+        output = self.engine.generate(prompts, samples_per_prompt, seed)
+        rewards = score(task, prompts, output)
+        output.prompt_index = output.prompt_index + start
+        try:
+            return put_rollout(store, ids, to_rollout(output, rewards), rules)
+        finally:
+            store.close()  # a pickled copy: detaches this process, the rows stay
 
     def where(self) -> tuple[int, str]:
         """The worker's process id and the id of the Ray node it runs on."""
@@ -177,48 +257,125 @@ class RayWorkersEngine:
         self, prompts: list[Prompt], samples_per_prompt: int, seed: int
     ) -> GenerationOutput:
         """Samples of every part, in prompt order (parts lost for good are left out)."""
-        ray = ray_module()
-        size = -(-len(prompts) // self.num_workers)
-        parts = [(p, start) for p, start in enumerate(range(0, len(prompts), size))]
-        pending = {p: self._submit(p, prompts, size, samples_per_prompt, seed) for p, _ in parts}
-        done: dict[int, GenerationOutput] = {}
-        dropped, restarts = 0, 0
-        while pending:
-            p, ref = next(iter(pending.items()))
-            try:
-                output, version = self._wait([ref], f"generate (part {p})")[0]
-            except ray.exceptions.RayActorError:
-                del pending[p]
-                if restarts >= self.max_restarts:
-                    count = len(prompts[p * size : (p + 1) * size]) * samples_per_prompt
-                    dropped += count
-                    continue
-                restarts += 1
-                self._replace(p % self.num_workers)
-                pending[p] = self._submit(p, prompts, size, samples_per_prompt, seed)
-                continue
-            del pending[p]
+        parts = _parts([PromptBlock(0, prompts, seed)], self.num_workers)
+
+        def submit(part: _Part) -> Any:
+            worker = self.workers[part.index % self.num_workers]
+            return worker.generate.remote(part.prompts, samples_per_prompt, part.seed)
+
+        done, dropped = self._run(parts, samples_per_prompt, submit)
+        outputs = []
+        for i in sorted(done):
+            output, version = done[i]
             if version != self.weights_version:
                 raise RolloutWorkerError(
-                    f"worker {p % self.num_workers} sampled from weights version {version}, "
+                    f"worker {i % self.num_workers} sampled from weights version {version}, "
                     f"not {self.weights_version}."
                 )
-            output.prompt_index = output.prompt_index + p * size
-            done[p] = output
+            output.prompt_index = output.prompt_index + parts[i].start
+            outputs.append(output)
+        out = concat_outputs(outputs)
+        out.dropped = dropped
+        return out
+
+    def generate_into(self, store: ReplayStore, job: RowJob) -> StoredRollout:
+        """Every worker rewards and puts its parts' rows into ``store`` (a shared store) itself.
+
+        Row ids come from ``store.allocate``, one contiguous run per call cut into the parts
+        in order, so the rows are the ones :meth:`generate` would give, in the same order and
+        under the same ids as the trainer's own put. A part whose worker died is discarded
+        (whatever it had put) and retried under the same ids; a call that fails leaves
+        nothing in the store (workers still busy with it are replaced first, so none can put
+        after it).
+        """
+        ray = ray_module()
+        k = job.samples_per_prompt
+        parts = _parts(job.blocks, self.num_workers)
+        ids = store.allocate(sum(len(p.prompts) for p in parts) * k)
+        at = 0
+        for part in parts:
+            part.ids, at = ids[at : at + len(part.prompts) * k], at + len(part.prompts) * k
+        task, version = ray.put(job.task), self.weights_version
+
+        def submit(part: _Part) -> Any:
+            worker = self.workers[part.index % self.num_workers]
+            return worker.generate_into.remote(
+                store, part.ids, part.prompts, k, part.seed, part.start, task, job.rules, version
+            )
+
+        try:
+            done, dropped = self._run(
+                parts, k, submit, lost=lambda p: store.discard(p.ids), abandon=self._abandon
+            )
+        except BaseException:
+            store.discard(ids)
+            raise
+        return concat_stored([done[i] for i in sorted(done)], dropped)
+
+    def _run(
+        self,
+        parts: list[_Part],
+        k: int,
+        submit: Callable[[_Part], Any],
+        lost: Callable[[_Part], None] | None = None,
+        abandon: Callable[[list[_Part]], None] | None = None,
+    ) -> tuple[dict[int, Any], int]:
+        """Run every part on its worker; replace dead workers and retry, or drop the part.
+
+        Args:
+            parts: the parts (part ``i`` runs on worker ``i % num_workers``).
+            k: samples per prompt (a dropped part loses ``k`` per prompt).
+            submit: starts a part on its worker; returns the Ray object ref.
+            lost: called for a part whose worker died, before it is retried or dropped.
+            abandon: called with the parts still running when the call fails.
+
+        Returns:
+            Each finished part's result by part index, and the samples dropped.
+        """
+        ray = ray_module()
+        n = self.num_workers
+        # part index -> (part, its object ref, the worker it was submitted to)
+        pending = {p.index: (p, submit(p), self.workers[p.index % n]) for p in parts}
+        done: dict[int, Any] = {}
+        dropped, restarts = 0, 0
+        try:
+            while pending:
+                i, (part, ref, worker) = next(iter(pending.items()))
+                try:
+                    done[i] = self._wait([ref], f"generate (part {i})")[0]
+                except ray.exceptions.RayActorError:
+                    if lost is not None:
+                        lost(part)
+                    replaced = self.workers[i % n] is not worker  # by another part of it
+                    if not replaced and restarts >= self.max_restarts:
+                        dropped += len(part.prompts) * k
+                        del pending[i]
+                        continue
+                    if not replaced:
+                        restarts += 1
+                        self._replace(i % n)
+                    pending[i] = (part, submit(part), self.workers[i % n])
+                    continue
+                del pending[i]
+        except BaseException:
+            if abandon is not None:
+                abandon([part for part, _, _ in pending.values()])
+            raise
         if not done:
             raise RolloutWorkerError(
                 f"every part of the rollout was lost ({dropped} samples) after {restarts} "
                 "worker restarts; see the workers' logs, or raise "
                 "model.engine.init_args.max_restarts."
             )
-        out = concat_outputs([done[p] for p in sorted(done)])
-        out.dropped = dropped
-        return out
+        return done, dropped
 
-    def _submit(self, p: int, prompts: list[Prompt], size: int, k: int, seed: int) -> Any:
-        worker = self.workers[p % self.num_workers]
-        part_seed = derive_seed(seed, "part", p) if p else seed
-        return worker.generate.remote(prompts[p * size : (p + 1) * size], k, part_seed)
+    def _abandon(self, parts: list[_Part]) -> None:
+        """Replace the workers still running ``parts`` (so that none puts rows afterwards)."""
+        for index in sorted({part.index % self.num_workers for part in parts}):
+            try:
+                self._replace(index)
+            except Exception:  # the original failure is raised; a next call replaces again
+                pass
 
     def _replace(self, index: int) -> None:
         """A fresh worker in slot ``index``, loaded with the current weights."""

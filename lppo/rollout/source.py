@@ -1,12 +1,18 @@
 """``RolloutSource``: where each iteration's rollout comes from.
 
 Prompts from the task → the engine's samples → one batch call of ``Task.rewards`` → a packed
-:class:`~lppo.types.Rollout`. The iteration's prompts are cut into *blocks*
-(``model.rollout.prompts_per_block``); each block is one ``generate`` call from a seed derived
-from ``(seed, iteration, block)``, so a block's samples are the same whoever generates it. Under
-data parallelism every rank draws the same prompts and generates its own contiguous run of
-blocks (rank 0 the first ones), so no rank repeats another's work, every prompt's samples stay
-on one rank, and the ranks' rows in rank order are the single-process rows in order.
+:class:`~lppo.types.Rollout`, which the controller puts into the store. With a shared store
+(``store.shared``) and an engine that writes rows itself
+(:class:`~lppo.rollout.StoreWritingEngine`, e.g. Ray rollout workers), the engine's processes
+reward and put the rows and the source returns only their ids and per-row scalars (a
+:class:`~lppo.replay.rollout_rows.StoredRollout`): the trainer never holds the samples.
+
+The iteration's prompts are cut into *blocks* (``model.rollout.prompts_per_block``); each
+block is one ``generate`` call from a seed derived from ``(seed, iteration, block)``, so a
+block's samples are the same whoever generates it. Under data parallelism every rank draws the
+same prompts and generates its own contiguous run of blocks (rank 0 the first ones), so no
+rank repeats another's work, every prompt's samples stay on one rank, and the ranks' rows in
+rank order are the single-process rows in order.
 """
 
 from __future__ import annotations
@@ -20,15 +26,21 @@ import torch
 from lppo.controller import IterationError
 from lppo.modules import ActorModule
 from lppo.parallel import SINGLE, ProcessGroup
+from lppo.replay.base import ReplayStore
+from lppo.replay.rollout_rows import RowRules, StoredRollout
 from lppo.rollout.base import (
     GenerationOutput,
+    PromptBlock,
     RewardError,
     RolloutEngine,
     RolloutSettings,
+    RowJob,
+    StoreWritingEngine,
     score,
     to_rollout,
 )
 from lppo.tasks import Task
+from lppo.tasks.base import Prompt
 from lppo.types import Rollout, iteration_label
 
 
@@ -98,6 +110,10 @@ class RolloutSource:
         seed: base seed; iteration ``i`` samples prompts and responses from seeds derived from
             ``(seed, i)``, so a resumed run samples exactly what the uninterrupted run would.
         group: the data-parallel group (each rank generates its own share of the blocks).
+        store: the replay store; when it is shared and the engine is a
+            :class:`~lppo.rollout.StoreWritingEngine`, the engine puts the rows itself.
+        rules: which rows become invalid when put (``model.ppo``), for an engine that puts
+            (``None``: only rows with a non-finite reward).
     """
 
     def __init__(
@@ -108,6 +124,8 @@ class RolloutSource:
         settings: RolloutSettings,
         seed: int = 0,
         group: ProcessGroup = SINGLE,
+        store: ReplayStore | None = None,
+        rules: RowRules | None = None,
     ) -> None:
         self.task = task
         self.engine = engine
@@ -115,6 +133,13 @@ class RolloutSource:
         self.settings = settings
         self.seed = seed
         self.group = group
+        self.store = store
+        self.rules = rules if rules is not None else RowRules()
+        # The one place the path is chosen: rows put by the engine's own processes need a
+        # store those processes see; otherwise the trainer puts the samples it is handed.
+        self.writer: StoreWritingEngine | None = None
+        if store is not None and store.shared and isinstance(engine, StoreWritingEngine):
+            self.writer = engine
         prompt_blocks(settings, group.size)  # reject too few blocks at setup
 
     def sync(self) -> None:
@@ -135,27 +160,46 @@ class RolloutSource:
                 "stale weights. An engine must set weights_version to the version it loaded."
             )
 
-    def collect(self, iteration: int) -> Rollout:
-        """This rank's rewarded samples of ``iteration`` (its blocks; ``prompt_index`` global)."""
+    def collect(self, iteration: int) -> Rollout | StoredRollout:
+        """This rank's rewarded samples of ``iteration`` (its blocks; ``prompt_index`` global).
+
+        Returns:
+            The samples, or (engine that writes rows itself) their rows in the store.
+
+        Raises:
+            IterationError: the task's reward failed (nothing of it is left in the store).
+        """
         self.sync()  # never sample from weights older than the actor's
         s = self.settings
         prompts = self.task.sample_prompts(
             s.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
         )
         blocks = prompt_blocks(s, self.group.size)
+        share = [
+            PromptBlock(
+                blocks[b].start,
+                [prompts[i] for i in blocks[b]],
+                block_seed(self.seed, iteration, b),
+            )
+            for b in rank_share(len(blocks), self.group.size, self.group.rank)
+        ]
+        try:
+            if self.writer is not None:
+                assert self.store is not None
+                job = RowJob(share, s.samples_per_prompt, self.task, self.rules)
+                return self.writer.generate_into(self.store, job)
+            return self._rewarded(prompts, share)
+        except RewardError as error:
+            raise IterationError(f"{iteration_label(iteration)}, phase rollout: {error}") from error
+
+    def _rewarded(self, prompts: list[Prompt], share: list[PromptBlock]) -> Rollout:
+        """Generate every block of ``share`` here and reward the samples in one call."""
         outputs = []
-        for b in rank_share(len(blocks), self.group.size, self.group.rank):
-            block = blocks[b]
+        for block in share:
             output = self.engine.generate(
-                [prompts[i] for i in block],
-                s.samples_per_prompt,
-                seed=block_seed(self.seed, iteration, b),
+                block.prompts, self.settings.samples_per_prompt, seed=block.seed
             )
             output.prompt_index = output.prompt_index + block.start
             outputs.append(output)
         output = concat_outputs(outputs)
-        try:
-            rewards = score(self.task, prompts, output)
-        except RewardError as error:
-            raise IterationError(f"{iteration_label(iteration)}, phase rollout: {error}") from error
-        return to_rollout(output, rewards)
+        return to_rollout(output, score(self.task, prompts, output))

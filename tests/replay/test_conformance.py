@@ -368,6 +368,20 @@ def test_release_exactly_once(store: ReplayStore) -> None:
     assert not store.has(INPUT_IDS, [0])
 
 
+def test_discard_deletes_what_ids_hold_and_skips_the_rest(store: ReplayStore) -> None:
+    store.put([0, 1, 2], make_cols([0, 1, 2]))
+    store.claim([1], "actor")
+    store.release([2])
+    store.discard([1, 2, 7, 0])  # live (claimed or not), released, never put
+    assert len(store) == 0 and store.claimed() == {} and store.nbytes() == 0
+    assert_unchanged(store, KeyError, lambda: store.release([0]))
+    store.discard([])
+    store.put([4], make_cols([4]))
+    assert_unchanged(store, ValueError, lambda: store.discard([4, 4]))
+    store.put([1], make_cols([1]))  # a discarded id is released: it may be put again
+    assert store.meta().ids == (1, 4)
+
+
 def test_reuse_released_id_but_not_live(store: ReplayStore) -> None:
     store.put([0, 1], make_cols([0, 1]))
     store.claim([0], "actor")

@@ -156,6 +156,24 @@ def test_iteration_killed_mid_phase_leaves_nothing_in_transfer_queue(
         store.close()
 
 
+def test_discard_takes_back_a_put_whose_writer_died_half_way() -> None:
+    store = tq_store()
+    try:
+        store.put([0], {INPUT_IDS: [torch.arange(3)]})
+        # A writer reserved rows 1 and 2 and transferred their tensors, then died uncommitted.
+        ids, cols = [1, 2], {INPUT_IDS: [torch.arange(4), torch.arange(5)]}
+        specs = {INPUT_IDS: ("torch.int64", 1)}
+        store._call("reserve_put", ids, specs, [4, 5], [0, 0], {INPUT_IDS: [32, 40]})
+        store._transfer(ids, store._batch(cols, specs))
+        assert catalog_rows(store) == 3 and tq_keys(store) == {"0", "1", "2"}
+        store.discard([1, 2, 3])  # 3: allocated, never put
+        assert catalog_rows(store) == 1 and tq_keys(store) == {"0"} and len(store) == 1
+        with pytest.raises(KeyError, match="discarded while their put was in flight"):
+            store._call("commit_put", ids)  # the writer, had it lived, finds its put undone
+    finally:
+        store.close()
+
+
 @ray.remote(num_cpus=1)
 def _worker_puts(store: TransferQueueReplayStore, n: int) -> tuple[list[int], list[int], int]:
     """In another process: allocate and put rows, and read the driver's rows."""

@@ -1,0 +1,132 @@
+"""A rollout's samples as replay rows: invalid rows marked, put, summarized for the statistics.
+
+The one owner of turning a rewarded :class:`~lppo.types.Rollout` into rows of a
+:class:`~lppo.replay.ReplayStore`. The trainer calls :func:`put_rollout` for the samples it
+holds (``PPOController``'s collect phase); rollout workers that write into a shared store call
+the same function in their own processes (:class:`~lppo.rollout.StoreWritingEngine`), so both
+paths mark, put and summarize rows identically. What comes back (:class:`StoredRollout`) holds
+row ids and per-row scalars only, never token tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lppo.config import PPOConfig
+from lppo.replay.base import ReplayStore
+from lppo.types import RESPONSE_MASK, REWARD, TRUNCATED, Rollout
+
+__all__ = ["RowRules", "StoredRollout", "concat_stored", "mark_invalid", "put_rollout"]
+
+
+@dataclass(frozen=True)
+class RowRules:
+    """Which rows become invalid when they are put (from ``model.ppo``).
+
+    Attributes:
+        max_abs_reward: rewards with a larger magnitude (like non-finite ones) make their row
+            invalid (``None``: only non-finite rewards do).
+        mask_truncated: rows cut at ``max_new_tokens`` become invalid (overlong filtering).
+    """
+
+    max_abs_reward: float | None = None
+    mask_truncated: bool = False
+
+    @classmethod
+    def of(cls, config: PPOConfig) -> RowRules:
+        """The rules ``config`` sets (its ``max_abs_reward`` and ``mask_truncated``)."""
+        return cls(config.max_abs_reward, config.mask_truncated)
+
+
+@dataclass
+class StoredRollout:
+    """Rows of a rollout that are in the store, with what the rollout statistics need.
+
+    Attributes:
+        row_ids: the rows' ids, in sample order.
+        reward: ``float32[n]``; each row's reward as the task gave it (before a bad reward was
+            zeroed).
+        response_tokens: ``float32[n]``; each row's response tokens as generated (before
+            masking).
+        bad_rewards: rows whose reward was non-finite or out of bounds.
+        dropped: samples lost before reaching the store (they count against the drop budget).
+    """
+
+    row_ids: tuple[int, ...]
+    reward: torch.Tensor
+    response_tokens: torch.Tensor
+    bad_rewards: int = 0
+    dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+
+def mark_invalid(columns: dict[str, list[torch.Tensor]], rules: RowRules) -> int:
+    """Make rows with a bad reward or (by ``rules``) a truncated response invalid, in place.
+
+    A bad reward (non-finite, or ``|r| > rules.max_abs_reward``) becomes 0 and its row's
+    ``response_mask`` all ``False``; with ``rules.mask_truncated`` a truncated row's mask is
+    zeroed too. The ``"truncated"`` column is removed (it only serves this marking). Only list
+    entries are replaced: the tensors the lists held are not modified.
+
+    Returns:
+        The number of bad rewards.
+    """
+    masks, rewards = columns[RESPONSE_MASK], columns[REWARD]
+    truncated = columns.pop(TRUNCATED, None)
+    bound = rules.max_abs_reward
+    bad_rewards = 0
+    for i, reward in enumerate(rewards):
+        value = float(reward)
+        bad_reward = not math.isfinite(value) or (bound is not None and abs(value) > bound)
+        bad_rewards += bad_reward
+        overlong = rules.mask_truncated and truncated is not None and bool(truncated[i])
+        if bad_reward or overlong:
+            masks[i] = torch.zeros_like(masks[i])
+        if bad_reward:
+            rewards[i] = torch.zeros_like(reward)
+    return bad_rewards
+
+
+def put_rollout(
+    store: ReplayStore, ids: Sequence[int], rollout: Rollout, rules: RowRules
+) -> StoredRollout:
+    """Put ``rollout``'s rows into ``store`` as rows ``ids``, invalid rows marked.
+
+    Args:
+        store: the replay store.
+        ids: one id per sample (from ``store.allocate``), in sample order.
+        rollout: the rewarded samples.
+        rules: which rows become invalid.
+
+    Returns:
+        The rows' ids with their rewards and response lengths as generated.
+
+    Raises:
+        ValueError: ``len(ids)`` differs from the number of samples (nothing is put).
+    """
+    if len(ids) != len(rollout):
+        raise ValueError(f"put_rollout: {len(ids)} row ids for {len(rollout)} samples")
+    columns = rollout.columns()
+    bad_rewards = mark_invalid(columns, rules)
+    store.put(ids, columns)
+    lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
+    return StoredRollout(tuple(ids), rollout.reward, lengths, bad_rewards, rollout.dropped)
+
+
+def concat_stored(parts: Sequence[StoredRollout], dropped: int = 0) -> StoredRollout:
+    """Several parts' rows, in order, as one; ``dropped`` samples lost besides theirs."""
+    return StoredRollout(
+        row_ids=tuple(i for p in parts for i in p.row_ids),
+        reward=torch.cat([p.reward for p in parts]) if parts else torch.zeros(0),
+        response_tokens=(
+            torch.cat([p.response_tokens for p in parts]) if parts else torch.zeros(0)
+        ),
+        bad_rewards=sum(p.bad_rewards for p in parts),
+        dropped=dropped + sum(p.dropped for p in parts),
+    )
