@@ -11,8 +11,9 @@ of 2 minibatches, chunk budget 512 tokens, ``HFGenerateEngine(batch_size=256)``)
 ``prompts_per_iteration = rows / 4``, for two
 iterations. The second is measured: the kernel's peak-RSS mark (``VmHWM``) is reset when it
 starts and read when it ends (rollout, scoring, advantages, both training phases; before the
-rows are released). "Rows" is the replay store's ``nbytes()`` at its fullest; the figure that
-must stay flat is the peak beyond the iteration's starting RSS minus the rows.
+rows are released). "Rows" is the replay store's ``nbytes()`` at its fullest; the figures that
+must stay flat are the peak beyond the iteration's starting RSS minus the rows, and the
+process's peak RSS during the iteration (both growths relative to the smallest row count).
 
 Variants: **streamed** (lppo as shipped); **merged** (the same run plus the payload a merged
 trainer holds: at ``on_rollout_end`` every row is read and padded to the longest row into one
@@ -34,7 +35,7 @@ sys.path.insert(0, HERE)
 
 def worker(rows: int, variant: str) -> dict:
     import torch
-    from _memory import PeakProbe
+    from _memory import PeakProbe, status_kib
 
     from lppo.chunks import read_chunk
     from lppo.config import PPOConfig
@@ -92,6 +93,7 @@ def worker(rows: int, variant: str) -> dict:
         def on_iteration_end(self, ctx, result) -> None:
             if self.active:
                 out["peak_beyond_start"] = self.probe.peak_beyond()
+                out["peak_rss"] = status_kib("VmHWM") * 1024  # reset when the iteration began
                 out["seconds"] = sum(result.seconds.values())
                 self.payload = None
 
@@ -147,8 +149,12 @@ def main() -> None:
             cells.append(f"{r / mib:.1f} MiB ({(r / base - 1) * 100:+.0f} %)")
         print(f"| peak beyond start − rows: **{v}** | " + " | ".join(cells) + " |")
     for v in args.variants:
-        cells = [f"{results[(n, v)]['seconds']:.1f}" for n in args.rows]
-        print(f"| iteration seconds, {v} | " + " | ".join(cells) + " |")
+        base = results[(first, v)]["peak_rss"]
+        cells = []
+        for n in args.rows:
+            r = results[(n, v)]["peak_rss"]
+            cells.append(f"{r / mib:.0f} MiB ({(r / base - 1) * 100:+.1f} %)")
+        print(f"| trainer peak RSS in the iteration: **{v}** | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
