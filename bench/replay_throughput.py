@@ -30,8 +30,9 @@ import uuid
 
 import torch
 
+from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.replay import MemoryReplayStore, TransferQueueReplayStore
-from lppo.replay.transfer_queue import _field, _rows_of
+from lppo.replay._tq_fields import field, rows_of
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARD, VALUES
 
 NAMES = (INPUT_IDS, RESPONSE_MASK, GEN_LOGPROBS, OLD_LOGPROBS, VALUES, REWARD)
@@ -83,7 +84,7 @@ def run_raw(cols, put_rows: int, gets: list[list[int]], split: bool) -> tuple[fl
     ranks = {k: cols[k][0].dim() for k in NAMES}
     t0 = time.perf_counter()
     for b in batches(n, put_rows):
-        fields = {k: _field([cols[k][i] for i in b], ranks[k]) for k in NAMES}
+        fields = {k: field([cols[k][i] for i in b], ranks[k]) for k in NAMES}
         tq.kv_batch_put(
             keys=[str(i) for i in b], partition_id=part, fields=TensorDict(fields, [len(b)])
         )
@@ -91,7 +92,7 @@ def run_raw(cols, put_rows: int, gets: list[list[int]], split: bool) -> tuple[fl
     for g in gets:
         td = tq.kv_batch_get(keys=[str(i) for i in g], partition_id=part, select_fields=list(NAMES))
         if split:
-            {k: _rows_of(td[k]) for k in NAMES}
+            {k: rows_of(td[k]) for k in NAMES}
     t2 = time.perf_counter()
     tq.kv_clear(keys=[str(i) for i in range(n)], partition_id=part)
     return t1 - t0, t2 - t1
@@ -111,7 +112,8 @@ def main() -> None:
     random.Random(0).shuffle(order)
     gets = [order[i : i + args.get_rows] for i in range(0, args.rows, args.get_rows)]
     temp_dir = tempfile.mkdtemp(prefix="lppo-bench-", dir="/tmp")
-    tq_store = TransferQueueReplayStore(temp_dir=temp_dir)
+    configure_ray(RaySettings(temp_dir=temp_dir))
+    tq_store = TransferQueueReplayStore()
     t0 = time.perf_counter()
     len(tq_store)  # start Ray + TransferQueue
     print(f"Ray + TransferQueue start: {time.perf_counter() - t0:.1f} s; {mb:.1f} MB of rows")

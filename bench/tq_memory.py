@@ -53,10 +53,12 @@ def worker(args: argparse.Namespace) -> dict:
     from _variants import build_backbone, epoch_streamed, make_critic
 
     from lppo.planner import ChunkPlanner
+    from lppo.ray_runtime import RaySettings, configure_ray
     from lppo.replay import TransferQueueReplayStore
 
     torch.set_num_threads(2)
-    store = TransferQueueReplayStore(temp_dir=tempfile.mkdtemp(prefix="lppo-mem-", dir="/tmp"))
+    configure_ray(RaySettings(temp_dir=tempfile.mkdtemp(prefix="lppo-mem-", dir="/tmp")))
+    store = TransferQueueReplayStore()
     try:
         len(store)  # start Ray + TransferQueue here
         ray.cloudpickle.register_pickle_by_value(_rows)  # the worker has no bench/ on its path

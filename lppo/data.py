@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule
 
 from lppo.chunks import iter_chunks
@@ -54,6 +55,7 @@ class ReplayDataModule(LightningDataModule):
         self.fixed_rows_per_rank = fixed_rows_per_rank
         self.shuffle = shuffle
         self.seed = seed
+        self.group: ProcessGroup = SINGLE
         self.planner = self._make_planner()
 
     def _make_planner(self, **kwargs: Any) -> ChunkPlanner:
@@ -74,8 +76,12 @@ class ReplayDataModule(LightningDataModule):
         max_row_length: int | None = None,
         rows_per_iteration: int | None = None,
         minibatches: int = 1,
+        group: ProcessGroup = SINGLE,
     ) -> None:
-        """Rebuild the planner with what setup knows; rejects impossible settings eagerly.
+        """Rebuild the planner with what setup knows; connect the store across ``group``.
+
+        Collective over ``group`` (the data-parallel ranks): a shared store starts or attaches
+        to its services here, every rank on rank 0's (:meth:`ReplayStore.connect`).
 
         Raises:
             ValueError: naming the keys, the values and the fix.
@@ -87,6 +93,8 @@ class ReplayDataModule(LightningDataModule):
             rows_per_iteration=rows_per_iteration,
             minibatches=minibatches,
         )
+        self.group = group
+        self.store.connect(group)
 
     def layout(self, row_ids: Sequence[int], group: ProcessGroup = SINGLE) -> RowLayout:
         """Lengths and owners of every rank's rows (this rank's are ``row_ids``).
@@ -126,18 +134,50 @@ class ReplayDataModule(LightningDataModule):
         """Yield the chunks of ``step`` with columns ``names``, reading each when reached."""
         return iter_chunks(self.store, step, names)
 
+    def _shared_across_ranks(self) -> bool:
+        return self.store.shared and self.group.size > 1
+
+    def _barrier(self) -> None:
+        self.group.all_reduce(torch.zeros(1))
+
     def teardown(self, stage: str) -> None:
-        """End of fit: the store lets go of what it started (a local Ray, TransferQueue)."""
-        self.store.close()
+        """End of fit: the store lets go of what it started (a local Ray, TransferQueue).
+
+        A store shared across ranks is closed on rank 0 last (after a barrier), since rank 0
+        started what the others attached to.
+        """
+        if not self._shared_across_ranks():
+            self.store.close()
+            return
+        if self.group.rank > 0:
+            self.store.close()
+        self._barrier()  # every other rank has let go
+        if self.group.rank == 0:
+            self.store.close()
 
     def on_exception(self, exception: BaseException) -> None:
         """A failed fit (Lightning calls no ``teardown`` then): the store lets go as well."""
         self.store.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """The store's content (empty at iteration boundaries)."""
+        """The store's content (empty at iteration boundaries).
+
+        Every rank calls it (Lightning's checkpoint dump); with a store shared across ranks,
+        a barrier first, so that every rank has released its iteration's rows.
+        """
+        if self._shared_across_ranks():
+            self._barrier()
         return {"store": self.store.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the store's content."""
-        self.store.load_state_dict(state_dict["store"])
+        """Restore the store's content (a shared store: rank 0 restores it for every rank).
+
+        Every rank calls it; with a store shared across ranks only rank 0 loads, and no rank
+        goes on (to put rows) before it has.
+        """
+        if not self._shared_across_ranks():
+            self.store.load_state_dict(state_dict["store"])
+            return
+        if self.group.rank == 0:
+            self.store.load_state_dict(state_dict["store"])
+        self._barrier()

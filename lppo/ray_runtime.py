@@ -1,44 +1,64 @@
 """The one owner of Ray in an lppo process: start a local Ray on loopback, or attach to one.
 
-Every lppo component that needs Ray (the TransferQueue replay store, Ray rollout workers) calls
-:func:`acquire_ray` with its :class:`RaySettings` and :func:`release_ray` when done. The first
-acquire decides: with ``address=None`` it starts a local single-node Ray bound to ``127.0.0.1``
+How this process gets Ray is one settings group, :class:`RaySettings`, set at one key,
+``trainer.ray`` (:class:`lppo.trainer.PPOTrainer`'s ``ray`` argument), and applied by
+:func:`configure_ray` before any component needs Ray. Every lppo component that needs Ray (the
+TransferQueue replay store, Ray rollout workers) calls :func:`acquire_ray` and
+:func:`release_ray` when done; none of them has Ray settings of its own. The first acquire
+decides: with ``address=None`` it starts a local single-node Ray bound to ``127.0.0.1``
 (nothing listens on other interfaces) with settings that work on a 2-CPU machine; with an
 address it attaches to that running cluster as a driver. A Ray that was already initialized in
 this process (by the user) is used as it is. The last release shuts down only what the first
 acquire started: a local Ray started here is stopped (its GCS, raylet and workers with it); an
 attached cluster is only disconnected from; a Ray the user initialized is left alone.
 
-Needs the ``[tq]`` (or ``[ray]``) extra.
+Needs Ray: the ``[ray]`` extra (rollout workers) or the ``[tq]`` extra (TransferQueue).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["RaySettings", "acquire_ray", "ray_module", "ray_owned_here", "release_ray"]
+from lppo.validation import SettingError, check_number
+
+__all__ = [
+    "RaySettings",
+    "acquire_ray",
+    "cluster_address",
+    "configure_ray",
+    "configured_ray",
+    "ray_module",
+    "ray_owned_here",
+    "release_ray",
+]
 
 LOOPBACK = "127.0.0.1"
+#: The config key of :class:`RaySettings` (every message names its fields under it).
+KEY = "trainer.ray"
 # Environment Ray reads at start-up: no auth-token warning, no usage-stats upload attempt.
 _RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+_MIN_OBJECT_STORE = 80 * 2**20  # Ray's minimum
 
 
 @dataclass(frozen=True)
 class RaySettings:
-    """How lppo gets a Ray cluster.
+    """How lppo gets a Ray cluster (one group for every component that uses Ray).
 
     Args:
-        address: ``None`` starts a local Ray on loopback (``127.0.0.1``); ``"auto"`` or
-            ``"HOST:PORT"`` attaches to a running cluster (``ray start --head`` elsewhere).
+        address: ``null`` starts a local Ray on loopback (``127.0.0.1``); ``"auto"`` or
+            ``"HOST:PORT"`` attaches to a running cluster (``ray start --head`` elsewhere, or
+            ``127.0.0.1:PORT`` for one on this machine's loopback).
         num_cpus: logical CPUs of a local Ray (ignored when attaching). TransferQueue's
-            controller and each storage unit reserve one; rollout workers reserve their own.
+            controller and each storage unit reserve one, and so does each rollout worker.
             Logical CPUs are a scheduling budget, not cores: 4 is fine on a 2-core machine.
-        object_store_memory: bytes of Ray's shared-memory object store of a local Ray (rows
+        object_store_memory: bytes of the shared-memory object store of a local Ray (rows
             travel over TransferQueue's own ZMQ channels, not the object store, so it is small).
-        temp_dir: Ray's session directory root of a local Ray (``None``: Ray's default
+        temp_dir: session directory root of a local Ray (``null``: Ray's default
             ``/tmp/ray``); give each concurrent user their own.
     """
 
@@ -48,52 +68,79 @@ class RaySettings:
     temp_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_cpus, int) or self.num_cpus < 1:
-            raise ValueError(f"num_cpus={self.num_cpus!r} must be an integer >= 1")
-        if not isinstance(self.object_store_memory, int) or self.object_store_memory < 80 * 2**20:
-            raise ValueError(
-                f"object_store_memory={self.object_store_memory!r} must be an integer >= "
-                f"{80 * 2**20} (80 MiB, Ray's minimum)"
-            )
+        """Raise ``SettingError`` naming the key, the value and the fix for a bad setting."""
+        check_number(
+            f"{KEY}.num_cpus",
+            self.num_cpus,
+            integer=True,
+            low=1,
+            fix="Logical CPUs, not cores: one per TransferQueue service and rollout worker.",
+        )
+        check_number(
+            f"{KEY}.object_store_memory",
+            self.object_store_memory,
+            integer=True,
+            low=_MIN_OBJECT_STORE,
+            fix="Ray needs at least 80 MiB.",
+        )
         if self.address is not None and not (isinstance(self.address, str) and self.address):
-            raise ValueError(f"address={self.address!r} must be null, 'auto' or 'HOST:PORT'")
+            raise SettingError(
+                f"{KEY}.address={self.address!r}: use null (a local Ray), 'auto' or 'HOST:PORT'."
+            )
 
 
 class _State:
-    """Process-wide: how many holders, who started Ray, with which settings."""
+    """Process-wide: the configured settings, how many holders, who started Ray."""
 
     lock = threading.Lock()
+    configured = RaySettings()
     refs = 0
     owned = False  # ray.init was called by acquire_ray (so release_ray calls ray.shutdown)
-    settings: RaySettings | None = None
+    held: RaySettings | None = None  # the settings Ray was acquired with
 
 
-def ray_module() -> Any:
-    """Import Ray, or raise ``ImportError`` naming the extra that installs it."""
+def ray_module(extra: Literal["ray", "tq"] = "ray") -> Any:
+    """Import Ray, or raise ``ImportError`` naming ``extra``, the extra of the caller."""
     try:
         import ray
     except ImportError as e:
+        needs = "Ray rollout workers need" if extra == "ray" else "TransferQueue needs"
         raise ImportError(
-            "Ray is not installed; it comes with lppo's optional extra: "
-            "pip install -c constraints.txt -e '.[tq]'"
+            f"Ray is not installed; {needs} it: install lppo's optional extra with  "
+            f"pip install -c constraints.txt -e '.[{extra}]'"
         ) from e
     return ray
 
 
-def acquire_ray(settings: RaySettings) -> None:
-    """Start or attach to Ray as ``settings`` say (see the module docstring); count a holder.
+def configure_ray(settings: RaySettings) -> None:
+    """Make ``settings`` the way this process gets Ray from now on (``trainer.ray``)."""
+    with _State.lock:
+        _State.configured = settings
+
+
+def configured_ray() -> RaySettings:
+    """The settings the next :func:`acquire_ray` uses."""
+    return _State.configured
+
+
+def acquire_ray(extra: Literal["ray", "tq"] = "ray") -> None:
+    """Start or attach to Ray as configured (see the module docstring); count a holder.
+
+    Args:
+        extra: the caller's optional extra, named when Ray is missing.
 
     Raises:
-        ValueError: Ray is already held in this process with different settings.
+        ValueError: Ray is already held in this process with other settings.
         ImportError: Ray is not installed.
     """
-    ray = ray_module()
+    ray = ray_module(extra)
     with _State.lock:
+        settings = _State.configured
         if _State.refs > 0:
-            if _State.owned and settings != _State.settings:
+            if _State.owned and settings != _State.held:
                 raise ValueError(
-                    f"Ray is already running in this process with {_State.settings}; got "
-                    f"{settings}. Give every lppo component the same Ray settings."
+                    f"{KEY}={settings} but Ray is already running in this process with "
+                    f"{_State.held}; one process has one Ray: use the same {KEY} settings."
                 )
             _State.refs += 1
             return
@@ -102,23 +149,41 @@ def acquire_ray(settings: RaySettings) -> None:
                 os.environ.setdefault(key, value)
             _init(ray, settings)
             _State.owned = True
-        _State.settings, _State.refs = settings, 1
+        _State.held, _State.refs = settings, 1
 
 
-def _init(ray: Any, settings: RaySettings) -> None:
-    if settings.address is not None:
-        ray.init(**_init_kwargs(settings))
-        return
-    # Ray turns a node IP of 127.0.0.1 into the machine's reachable IP unless it runs in
-    # single-machine mode; that switch is read from this private constant at call time, and
-    # is restored at once (an attach later in this process must resolve the real IP).
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextmanager
+def _single_machine() -> Any:
+    """Keep ``127.0.0.1`` as it is while Ray starts or connects.
+
+    Ray turns a node IP or a cluster address of 127.0.0.1 into the machine's reachable IP
+    (where nothing of a loopback cluster listens) unless it runs in single-machine mode; that
+    switch is read from this private constant at call time, and is restored at once (an
+    attach later in this process to a real cluster must resolve the real IP).
+    """
     from ray._private import ray_constants
 
     saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
     try:
-        ray.init(**_init_kwargs(settings))
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _init(ray: Any, settings: RaySettings) -> None:
+    if settings.address is not None and not _is_loopback(settings.address):
+        ray.init(**_init_kwargs(settings))
+        return
+    with _single_machine():
+        ray.init(**_init_kwargs(settings))
 
 
 def _init_kwargs(settings: RaySettings) -> dict[str, Any]:
@@ -139,6 +204,11 @@ def _init_kwargs(settings: RaySettings) -> dict[str, Any]:
     return kwargs
 
 
+def cluster_address() -> str:
+    """``HOST:PORT`` of the cluster this process holds (for other processes to attach)."""
+    return str(ray_module().get_runtime_context().gcs_address)
+
+
 def release_ray() -> None:
     """Drop a holder; the last one shuts down what :func:`acquire_ray` started (if anything).
 
@@ -151,7 +221,7 @@ def release_ray() -> None:
         _State.refs -= 1
         if _State.refs > 0:
             return
-        owned, _State.owned, _State.settings = _State.owned, False, None
+        owned, _State.owned, _State.held = _State.owned, False, None
         if owned:
             ray.shutdown()
 

@@ -20,6 +20,7 @@ from lppo.hooks import PPOCallback
 from lppo.loop import attached_trainer, instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
+from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.replay.rollout_rows import RowRules
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
 from lppo.strategy import check_strategy, parallel_context
@@ -152,6 +153,8 @@ class PPOSystem(LightningModule):
             check_strategy(trainer.strategy, trainer.world_size)
             parallel = parallel_context(trainer.strategy)
             callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
+        if isinstance(ray := getattr(trainer, "ray", None), RaySettings):
+            configure_ray(ray)  # trainer.ray, before the store or the engine needs Ray
         data = self._datamodule(trainer)
         r = self.rollout
         data.configure(
@@ -160,6 +163,7 @@ class PPOSystem(LightningModule):
             max_row_length=self.task.max_prompt_length() + 1 + r.max_new_tokens,
             rows_per_iteration=r.rows_per_iteration,
             minibatches=max(self.ppo.actor_minibatches, self.ppo.critic_minibatches),
+            group=parallel.data,
         )
         self.controller = PPOController(
             self.actor,

@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
 from lppo.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
 from lppo.loop import install
+from lppo.ray_runtime import RaySettings
 from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
 
 # The frozen reference policy is in eval mode on purpose.
@@ -69,10 +70,15 @@ class PPOTrainer(Trainer):
 
     Args:
         *args: passed to :class:`lightning.pytorch.Trainer`.
+        ray: how lppo gets Ray, for every component that uses it (the TransferQueue replay
+            store, Ray rollout workers): a local Ray on loopback started and stopped by lppo
+            (``address: null``) or a running cluster to attach to. Applied at setup, before
+            any component needs Ray (:func:`lppo.ray_runtime.configure_ray`).
         **kwargs: passed to :class:`lightning.pytorch.Trainer`.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ray: RaySettings = RaySettings(), **kwargs: Any) -> None:
+        self.ray = ray
         root = kwargs.get("default_root_dir") or os.path.join("runs", "lppo")
         kwargs["default_root_dir"] = root
         # No default in this .get(): jsonargparse resolves `logger` through it, and a default

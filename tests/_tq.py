@@ -1,9 +1,9 @@
 """One Ray + TransferQueue for the whole test session (starting them costs 20-40 s here).
 
-The first :func:`tq_store` starts a local Ray on loopback (own ``_temp_dir``) and TransferQueue
-through lppo's own runtime and holds them; every store made here (and every fit whose store
-has the same settings, see :data:`STORE_ARGS`) shares them. ``tests/conftest.py`` releases the
-hold when the session ends, which stops them.
+The first :func:`tq_store` configures lppo's Ray as :data:`RAY` (own ``_temp_dir``), starts a
+local Ray on loopback and TransferQueue through lppo's own runtime and holds them; every store
+made here (and every fit given the same Ray settings, :data:`RAY` / :data:`RAY_ARGS`) shares
+them. ``tests/conftest.py`` releases the hold when the session ends, which stops them.
 """
 
 from __future__ import annotations
@@ -11,26 +11,29 @@ from __future__ import annotations
 import os
 import tempfile
 
-from lppo.ray_runtime import RaySettings
+from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.replay import TransferQueueReplayStore
-from lppo.replay._tq_runtime import TQSettings, acquire_tq, release_tq
+from lppo.replay._tq_runtime import acquire_tq, release_tq
 
 TEMP_DIR = os.path.join(tempfile.gettempdir(), f"lppo-tests-{os.getpid()}")
-STORE_ARGS = {"num_cpus": 4, "temp_dir": TEMP_DIR}
-SETTINGS = TQSettings(RaySettings(num_cpus=4, temp_dir=TEMP_DIR))
+#: The session's Ray settings (``trainer.ray`` of every fit that runs on the session's Ray).
+RAY = RaySettings(num_cpus=4, temp_dir=TEMP_DIR)
+RAY_ARGS = ["--trainer.ray.num_cpus", "4", "--trainer.ray.temp_dir", TEMP_DIR]
 _held: list[bool] = []
 
 
 def start() -> None:
+    """Configure lppo's Ray as :data:`RAY`; start Ray + TransferQueue once per session."""
+    configure_ray(RAY)
     if not _held:
-        acquire_tq(SETTINGS)
+        acquire_tq(num_storage_units=1)
         _held.append(True)
 
 
 def tq_store(**kwargs) -> TransferQueueReplayStore:
     """A fresh store (own partition) on the session's TransferQueue."""
     start()
-    return TransferQueueReplayStore(**STORE_ARGS, **kwargs)
+    return TransferQueueReplayStore(**kwargs)
 
 
 def shutdown() -> None:

@@ -1,6 +1,10 @@
 """A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
 
-Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]``.
+Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
+[--tq-temp-dir DIR]``; with ``--tq-temp-dir`` the replay is one
+:class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
+there, the other ranks attach to it) and each rank also records TransferQueue's own state of
+the partition at the end (``tq``: partition, keys left, live rows, claims, released ids).
 With ``N x M > 1`` the fit uses :class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this
 script for ranks ``1..N-1`` (so it must not run under pytest, whose command would be relaunched
 instead); with ``M > 1`` an external launcher (torchrun, SLURM's srun) starts every node. Five
@@ -30,6 +34,8 @@ from lppo.hooks import IterationContext, PPOCallback
 from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
+from lppo.ray_runtime import RaySettings
+from lppo.replay import TransferQueueReplayStore
 from lppo.strategy import PPODDPStrategy
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
@@ -104,10 +110,29 @@ class RecordPlans(PPOCallback):
             "rows_left": len(store.meta().ids),
             "steps": self.steps,
             "rollouts": self.rollouts,
+            "tq": tq_state(store) if store.shared else None,
         }
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
         state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         torch.save(state, self.out / f"state{rank}.pt")
+
+
+def tq_state(store: Any) -> dict[str, Any]:
+    """TransferQueue's own view of the store's partition, and the catalog's."""
+    import ray
+
+    from lppo.replay._tq_runtime import tq_controller
+
+    snap = ray.get(tq_controller().get_partition_snapshot.remote(store.partition))
+    state = store._call("state")
+    return {
+        "partition": store.partition,
+        "keys": [] if snap is None else sorted(snap.keys_mapping),
+        "live": state["ids"],
+        "claims": state["claims"],
+        "released": state["released"],
+        "next_id": state["next_id"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--tq-temp-dir", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -141,8 +167,12 @@ def main(argv: list[str] | None = None) -> None:
         num_nodes=args.num_nodes,
         strategy=strategy,
         callbacks=[RecordPlans(args.out)],
+        ray=RaySettings(temp_dir=args.tq_temp_dir),
     )
-    data = ReplayDataModule(max_tokens_per_chunk=MAX_TOKENS_PER_CHUNK, drop_budget=3 * PROMPTS)
+    store = TransferQueueReplayStore() if args.tq_temp_dir else None
+    data = ReplayDataModule(
+        max_tokens_per_chunk=MAX_TOKENS_PER_CHUNK, drop_budget=3 * PROMPTS, store=store
+    )
     trainer.fit(system, datamodule=data)
 
 

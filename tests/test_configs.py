@@ -72,7 +72,8 @@ def test_dataset_config_runs(tmp_path, monkeypatch):
 @pytest.mark.distributed
 def test_tq_config_runs(tmp_path):
     """``configs/tq.yaml`` (rows in TransferQueue), shortened to 2 iterations, on the session's
-    Ray + TransferQueue (same store settings, so the fit attaches instead of starting its own)."""
+    Ray + TransferQueue (same trainer.ray settings, so the fit uses it instead of starting
+    its own)."""
     import _tq
 
     _tq.start()
@@ -85,8 +86,7 @@ def test_tq_config_runs(tmp_path):
             "2",
             "--trainer.default_root_dir",
             str(tmp_path),
-            "--data.store.init_args.temp_dir",
-            _tq.TEMP_DIR,
+            *_tq.RAY_ARGS,
         ]
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -151,10 +151,7 @@ def test_ray_workers_config_runs(tmp_path):
             "2",
             "--trainer.default_root_dir",
             str(tmp_path),
-            "--data.store.init_args.temp_dir",
-            _tq.TEMP_DIR,
-            "--model.engine.init_args.temp_dir",
-            _tq.TEMP_DIR,
+            *_tq.RAY_ARGS,
         ]
     )
     assert cli.model.rollout_source.writer is cli.model.engine  # rows put by the workers

@@ -4,7 +4,9 @@
 environment variables SLURM's ``srun`` sets on two nodes, each run the fit of
 ``ddp_fit_worker.py`` with ``trainer.num_nodes=2``; both must end where one process ends.
 ``GLOO_SOCKET_IFNAME`` is not set: lppo itself binds the process group to loopback, which the
-test checks on every rank's open TCP sockets.
+test checks on every rank's open TCP sockets. And Ray's own multi-node test cluster
+(``ray.cluster_utils.Cluster``, ``ray_nodes_worker.py``): two nodes on loopback, attached to by
+``trainer.ray.address``, with a rollout worker on each node.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, _env, finish
@@ -146,3 +149,38 @@ def test_the_process_group_binds_to_loopback_unless_an_address_is_configured(mon
     bind_to_loopback("127.0.0.1")
     assert os.environ["GLOO_SOCKET_IFNAME"] == loopback_interface() is not None
     assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ray_workers_spread_over_two_ray_nodes_on_loopback(tmp_path):
+    """Ray's multi-node test cluster (2 nodes on 127.0.0.1) attached by trainer.ray.address:
+    the two rollout workers run on two different nodes, TransferQueue on the same cluster, a
+    2-iteration fit completes, and nothing is left once the cluster is shut down."""
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")  # Ray's socket paths are short
+    script = Path(__file__).with_name("ray_nodes_worker.py")
+    args = [str(script), temp_dir, str(tmp_path / "run")]
+    out = finish(launch(args, node_env(), tmp_path), args)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    report = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+    host, _ = report["address"].rsplit(":", 1)
+    assert is_loopback(host)
+    nodes = dict(report["nodes"])
+    assert len(nodes) == 2 and all(is_loopback(ip) for ip in nodes.values()), nodes
+    placed = {node for _, node in report["workers"]}
+    assert placed == set(nodes)  # one rollout worker on each node
+    assert (report["iterations"], report["global_step"]) == (2, 2)
+    assert report["listening"] and all(is_loopback(ip) for ip in report["listening"])
+    names = set(report["during"].values())
+    assert {"gcs_server", "raylet", "ray::RolloutWorker", "ray::TransferQueueController"} <= names
+    assert list(report["during"].values()).count("raylet") == 2  # two nodes, two raylets
+    # What lppo started on the cluster (workers, TransferQueue) is gone after the fit; the
+    # cluster's own processes after its shutdown.
+    left = set(report["after_fit"].values())
+    assert not {"ray::RolloutWorker", "ray::TransferQueueController", "ray::Catalog"} & left
+    assert report["after"] == {}
+    alive = [p for p in map(int, report["during"]) if psutil.pid_exists(p)]
+    assert [psutil.Process(p).status() for p in alive] in ([], ["zombie"] * len(alive))

@@ -200,10 +200,14 @@ def knobs_of(config: Path, tmp: Path) -> tuple[PPOCLI, dict[str, tuple[type, Any
     out: dict[str, tuple[type, Any]] = {}
     from lppo.data import ReplayDataModule
     from lppo.system import PPOSystem
+    from lppo.trainer import PPOTrainer
 
     walk(cli.config.model, hints_of(PPOSystem), "model.", out)
     walk(cli.config.data, hints_of(ReplayDataModule), "data.", out)
     walk(Namespace(callbacks=cli.config.trainer.callbacks), {}, "trainer.", out)
+    # lppo's own trainer settings (Lightning's Trainer validates its own knobs)
+    ray = {"ray": hints_of(PPOTrainer)["ray"]}
+    walk(Namespace(ray=cli.config.trainer.ray), ray, "trainer.", out)
     return cli, out
 
 
@@ -265,6 +269,8 @@ def test_the_parser_exposes_the_knobs_we_know(all_knobs: dict[str, Any]) -> None
         "model.estimator.init_args.lam",
         "data.drop_budget",
         "trainer.callbacks[Evaluation].init_args.num_prompts",
+        "trainer.ray.num_cpus",
+        "trainer.ray.object_store_memory",
     ):
         assert key in all_knobs, sorted(all_knobs)
     assert len(all_knobs) > 50

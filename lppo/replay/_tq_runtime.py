@@ -1,8 +1,9 @@
 """TransferQueue in an lppo process: started here (and stopped here) or attached to.
 
-:func:`acquire_tq` gets Ray through :mod:`lppo.ray_runtime`, then either starts TransferQueue's
-controller and ``num_storage_units`` SimpleStorage units (when the cluster has none) or attaches
-a client to the running ones, and gets the replay catalog actor (started here when missing).
+:func:`acquire_tq` gets Ray through :mod:`lppo.ray_runtime` (as ``trainer.ray`` says), then
+either starts TransferQueue's controller and ``num_storage_units`` SimpleStorage units (when
+the cluster has none) or attaches a client to the running ones, and gets the replay catalog
+actor (started here when missing).
 The last :func:`release_tq` stops exactly what was started here (also when start-up itself
 failed half-way) and only detaches from what was found running; then it releases Ray.
 TransferQueue's controller and each storage unit reserve one Ray CPU, and bind their ZMQ
@@ -14,46 +15,21 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any
 
-from lppo.ray_runtime import RaySettings, acquire_ray, ray_module, release_ray
+from lppo.ray_runtime import KEY as RAY_KEY
+from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay import _ids, _tq_catalog
 
-__all__ = ["TQSettings", "acquire_tq", "release_tq", "tq_controller", "tq_module"]
+__all__ = ["acquire_tq", "release_tq", "tq_controller", "tq_module"]
 
 _CONTROLLER = ("TransferQueueController", "transfer_queue")  # (actor name, namespace)
-
-
-@dataclass(frozen=True)
-class TQSettings:
-    """How lppo gets TransferQueue.
-
-    Args:
-        ray: the Ray cluster (local on loopback, or attached by address).
-        num_storage_units: SimpleStorage units to start (each reserves one Ray CPU; the
-            controller one more). Ignored when attaching to a running TransferQueue.
-    """
-
-    ray: RaySettings
-    num_storage_units: int = 1
-
-    def __post_init__(self) -> None:
-        n = self.num_storage_units
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_storage_units={n!r} must be an integer >= 1")
-        if self.ray.address is None and n + 1 > self.ray.num_cpus:
-            raise ValueError(
-                f"num_storage_units={n} needs {n + 1} Ray CPUs (one per storage unit plus the "
-                f"controller) but num_cpus={self.ray.num_cpus}: TransferQueue would wait "
-                f"forever for them; raise num_cpus to at least {n + 1} (logical CPUs, not cores)"
-            )
 
 
 class _State:
     lock = threading.Lock()
     refs = 0
-    settings: TQSettings | None = None
+    num_storage_units: int | None = None
     started_tq = False
     catalog: Any = None
     started_catalog = False
@@ -77,13 +53,17 @@ def tq_module() -> Any:
 def tq_controller() -> Any:
     """TransferQueue's controller actor (for inspecting its own state), or ``None``."""
     try:
-        return ray_module().get_actor(_CONTROLLER[0], namespace=_CONTROLLER[1])
+        return ray_module("tq").get_actor(_CONTROLLER[0], namespace=_CONTROLLER[1])
     except ValueError:
         return None
 
 
-def acquire_tq(settings: TQSettings) -> Any:
+def acquire_tq(num_storage_units: int) -> Any:
     """Start or attach to TransferQueue (module docstring); returns the catalog actor.
+
+    Args:
+        num_storage_units: SimpleStorage units to start (each reserves one Ray CPU; the
+            controller one more); ignored when TransferQueue is running already.
 
     Raises:
         ValueError: held already in this process with other settings, or the cluster lacks
@@ -93,34 +73,39 @@ def acquire_tq(settings: TQSettings) -> Any:
     tq = tq_module()
     with _State.lock:
         if _State.refs > 0:
-            if settings != _State.settings:
+            if num_storage_units != _State.num_storage_units:
                 raise ValueError(
-                    f"TransferQueue is already held in this process with {_State.settings}; "
-                    f"got {settings}. Give every TransferQueueReplayStore the same settings."
+                    f"TransferQueue is already held in this process with "
+                    f"num_storage_units={_State.num_storage_units}; got {num_storage_units}. "
+                    "Give every TransferQueueReplayStore the same num_storage_units."
                 )
             _State.refs += 1
             return _State.catalog
-        acquire_ray(settings.ray)
+        acquire_ray("tq")
         try:
-            _start(tq, settings)
+            _start(tq, num_storage_units)
         except BaseException:
             _stop(tq)
             release_ray()
             raise
-        _State.settings, _State.refs = settings, 1
+        _State.num_storage_units, _State.refs = num_storage_units, 1
         return _State.catalog
 
 
-def _start(tq: Any, settings: TQSettings) -> None:
-    ray = ray_module()
+def _start(tq: Any, num_storage_units: int) -> None:
+    ray = ray_module("tq")
     if tq_controller() is None:
         free = ray.available_resources().get("CPU", 0)
-        need = settings.num_storage_units + 1
+        need = num_storage_units + 1
         if free < need:
+            # Checked here, not in a config object: only the running cluster knows its CPUs
+            # (a local one has trainer.ray.num_cpus, an attached one its own).
             raise ValueError(
-                f"TransferQueue needs {need} free Ray CPUs (controller + {need - 1} storage "
-                f"units) but the cluster has {free:g}; lower num_storage_units or give Ray more "
-                "CPUs (logical CPUs, not cores)"
+                f"data.store.init_args.num_storage_units={num_storage_units} needs {need} "
+                f"free Ray CPUs (one per storage unit plus the controller) but the cluster "
+                f"has {free:g} ({RAY_KEY}.num_cpus for a local Ray); TransferQueue would wait "
+                f"forever for them: lower num_storage_units or raise {RAY_KEY}.num_cpus "
+                "(logical CPUs, not cores)"
             )
         _State.started_tq = True
         tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": need - 1}}})
@@ -145,7 +130,7 @@ def _get_catalog(ray: Any) -> Any:
 
 def _stop(tq: Any) -> None:
     """Stop what was started here; detach from the rest."""
-    ray = ray_module()
+    ray = ray_module("tq")
     if _State.started_catalog and _State.catalog is not None:
         ray.kill(_State.catalog)
     if _State.started_tq:
@@ -176,7 +161,7 @@ def release_tq() -> None:
         _State.refs -= 1
         if _State.refs > 0:
             return
-        _State.settings = None
+        _State.num_storage_units = None
         try:
             _stop(tq_module())
         finally:

@@ -1,4 +1,4 @@
-"""Checking and decoding a ``TransferQueueReplayStore.state_dict`` before anything changes."""
+"""``TransferQueueReplayStore.state_dict``: built from the catalog, checked before loading."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lppo.replay._ids import IdRanges
 from lppo.replay._segments import count_true
 from lppo.types import INPUT_IDS, RESPONSE_MASK
 
-__all__ = ["decode_state"]
+__all__ = ["decode_state", "encode_state"]
 
 Batch = tuple[list[int], dict[str, list[torch.Tensor]]]
 
@@ -29,6 +29,43 @@ def _split(name: str, values: torch.Tensor, spec: tuple[torch.dtype, int], sizes
     if values.dim() != rank or values.shape[0] != sum(sizes):
         raise ValueError(f"column {name!r}: expected rank {rank} values of {sum(sizes)} tokens")
     return [t.clone() for t in values.split(sizes)]
+
+
+def encode_state(
+    st: dict[str, Any], values: dict[str, list[torch.Tensor]], fmt: str
+) -> dict[str, Any]:
+    """The state dict of a partition from the catalog's ``state`` and the columns' tensors.
+
+    Args:
+        st: the catalog's ``state`` reply (ids, lengths, columns, rows holding each column...).
+        values: ``column -> tensors of st["held"][column]``, in that order.
+        fmt: the format tag.
+
+    Returns:
+        Only tensors, dicts, lists, str, int and ``None`` (dtypes as strings), so it loads
+        with ``torch.load(weights_only=True)``; column values are concatenated along the
+        first dimension in ``rows`` order (row-level columns stacked).
+    """
+    lengths = dict(zip(st["ids"], st["lengths"], strict=True))
+    data = {}
+    for name, tensors in values.items():
+        rows, rank = st["held"][name], st["columns"][name][1]
+        data[name] = {
+            "rows": rows,
+            "values": torch.stack(tensors) if rank == 0 else torch.cat(tensors),
+        }
+        assert rank == 0 or sum(lengths[i] for i in rows) == data[name]["values"].shape[0]
+    return {
+        "format": fmt,
+        "schema": st["schema"],
+        "columns": st["columns"],
+        "ids": st["ids"],
+        "lengths": torch.tensor(st["lengths"], dtype=torch.int64),
+        "data": data,
+        "claims": st["claims"],
+        "released": st["released"],
+        "next_id": st["next_id"],
+    }
 
 
 def decode_state(state: Mapping[str, Any], fmt: str) -> tuple[dict[str, Any], list[Batch]]:

@@ -23,6 +23,9 @@ Rules every backend follows (the conformance suite in ``tests/replay`` checks th
   half-way), and skips ids that hold nothing: how a writer's caller cleans up after it.
 * ``claim`` marks rows as retained by an owner until they are released; claiming a row that is
   already claimed raises ``RuntimeError``.
+* ``connect`` is called once at setup by ``ReplayDataModule`` on every data-parallel rank
+  (a collective): a local store does nothing; a shared one makes every rank use the same rows
+  and starts what it needs (rank 0 first).
 * ``close`` lets go of what the store holds outside this process's memory (connections, and
   services it started itself); ``ReplayDataModule`` calls it at the end of fit and on failure.
   It is idempotent and the store stays usable (a later call reconnects).
@@ -35,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lppo.parallel import ProcessGroup
 from lppo.types import RowMeta
 
 
@@ -133,6 +137,10 @@ class ReplayStore(Protocol):
 
     def __len__(self) -> int:
         """Number of live rows."""
+        ...
+
+    def connect(self, group: ProcessGroup) -> None:
+        """At setup, on every rank of ``group``: share the rows across its ranks (if shared)."""
         ...
 
     def close(self) -> None:

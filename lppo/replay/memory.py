@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lppo.parallel import ProcessGroup
 from lppo.replay._checks import FIXED_SPECS, Spec, as_ids, as_lists, check_tensor, decode_dtype
 from lppo.replay._ids import IdRanges
 from lppo.replay._segments import Column, column_state, count_true, load_column
@@ -312,6 +313,9 @@ class MemoryReplayStore:
     def __len__(self) -> int:
         """Return the number of live rows."""
         return len(self._index)
+
+    def connect(self, group: ProcessGroup) -> None:
+        """Nothing to share: a local store (every rank has its own rows)."""
 
     def close(self) -> None:
         """Nothing to let go of: the rows live in this process (they are kept)."""

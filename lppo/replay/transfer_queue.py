@@ -13,10 +13,11 @@ See :mod:`lppo.replay.base` for the rules every backend follows; the conformance
   and the id counter. Each call is atomic across processes, so every process sees the same
   rows and :meth:`allocate` hands out ids that are unique across all processes using the store
   (one counter per partition). :meth:`meta` and :meth:`has` ask the catalog only (no tensor).
-* **Runtime** (:mod:`lppo.replay._tq_runtime`): the first use starts a local Ray bound to
-  ``127.0.0.1`` plus TransferQueue's controller and storage (or attaches to a running cluster
-  by ``address``); :meth:`close` (called by ``ReplayDataModule`` at the end of fit and on
-  failure) stops only what this process started.
+* **Runtime** (:mod:`lppo.replay._tq_runtime`): :meth:`connect` at setup (or the first use)
+  starts a local Ray bound to ``127.0.0.1`` plus TransferQueue's controller and storage (or
+  attaches to a running cluster by ``trainer.ray.address``); :meth:`close` (called by
+  ``ReplayDataModule`` at the end of fit and on failure) stops only what this process started.
+  Under data parallelism every rank uses rank 0's cluster and partition (:meth:`connect`).
 
 Semantics beyond :mod:`lppo.replay.base`, the same as :class:`~lppo.replay.MemoryReplayStore`
 (duplicate ids in ``put`` / ``write`` / ``claim`` / ``release`` raise ``ValueError``; empty calls
@@ -25,7 +26,7 @@ drops every claim and marks the ids released; values are copied on the way in an
 returns fresh tensors), and:
 
 * ``shared`` is ``True``. Pickling the store (to a Ray worker, a spawned rank) keeps its
-  partition and settings; the copy attaches to the same cluster on first use and never
+  partition and ``num_storage_units``; the copy attaches to the same cluster on first use and never
   drops the partition (only the original does, at :meth:`close`).
 * Every call that fails validation raises before changing anything, in every process's view.
   A put becomes visible only after its tensors are in TransferQueue; if the transfer fails,
@@ -39,6 +40,7 @@ returns fresh tensors), and:
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
 from operator import index
@@ -46,119 +48,98 @@ from typing import Any
 
 import torch
 
-from lppo.ray_runtime import RaySettings, ray_module
+from lppo.parallel import ProcessGroup
+from lppo.ray_runtime import cluster_address, configure_ray, configured_ray, ray_module
 from lppo.replay._checks import FIXED_SPECS, as_ids, as_lists, check_tensor, decode_dtype
 from lppo.replay._segments import count_true
-from lppo.replay._tq_runtime import TQSettings, acquire_tq, release_tq, tq_module
-from lppo.replay._tq_state import decode_state
+from lppo.replay._tq_fields import ERRORS, nbytes_of, rows_of, to_batch
+from lppo.replay._tq_runtime import acquire_tq, release_tq, tq_module
+from lppo.replay._tq_state import decode_state, encode_state
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
-from lppo.validation import check_number
+from lppo.validation import SettingError, check_number
 
 __all__ = ["TransferQueueReplayStore"]
 
 _FORMAT = "lppo.replay.transfer_queue/1"
-_ERRORS: dict[str, type[Exception]] = {
-    "KeyError": KeyError,
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "RuntimeError": RuntimeError,
-}
-
-
-def _spec_of(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.dtype), t.dim()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _field(tensors: list[torch.Tensor], rank: int) -> torch.Tensor:
-    """One column of a batch as TransferQueue takes it: ``[B]`` or jagged ``[B, j, ...]``."""
-    if rank == 0:
-        return torch.stack([t.detach().cpu() for t in tensors])
-    return torch.nested.as_nested_tensor([t.detach().cpu() for t in tensors], layout=torch.jagged)
-
-
-def _rows_of(value: torch.Tensor) -> list[torch.Tensor]:
-    """Split a field TransferQueue returned (jagged ``[B, j, ...]`` or ``[B, ...]``) into rows.
-
-    A jagged tensor is split from its packed values by its offsets: views of one buffer,
-    2-3x cheaper than ``unbind``.
-    """
-    if not value.is_nested:
-        return list(value.unbind(0))
-    return list(value.values().split(value.offsets().diff().tolist()))
 
 
 class TransferQueueReplayStore:
     """:class:`~lppo.replay.base.ReplayStore` over TransferQueue, shared across processes.
 
-    Nothing starts at construction; the first call starts (or attaches to) Ray and
-    TransferQueue. Choose it in YAML with
+    Nothing starts at construction; :meth:`connect` (called by ``ReplayDataModule`` at setup)
+    or the first call starts (or attaches to) Ray and TransferQueue. Ray comes from
+    :mod:`lppo.ray_runtime`, configured by ``trainer.ray`` (local on loopback, or a cluster
+    address). Choose it in YAML with
     ``data.store: {class_path: lppo.replay.TransferQueueReplayStore}``.
 
     Args:
         partition: TransferQueue partition (and catalog entry) holding this store's rows;
             ``None``: a fresh unique name. Processes that must see the same rows share one
-            store object (pickled) or the same name.
-        address: Ray cluster to attach to (``"auto"`` or ``"HOST:PORT"``); ``None`` starts a
-            local Ray bound to ``127.0.0.1``.
-        num_cpus: logical CPUs of a local Ray (TransferQueue's controller and each storage
-            unit reserve one; logical, so 4 is fine on 2 cores).
-        num_storage_units: TransferQueue SimpleStorage units to start.
-        object_store_memory: bytes of a local Ray's object store (rows do not pass through it).
-        temp_dir: session directory root of a local Ray (``None``: Ray's default).
+            store object (pickled) or the same name; data-parallel ranks use rank 0's
+            (:meth:`connect`).
+        num_storage_units: TransferQueue SimpleStorage units to start (each reserves one Ray
+            CPU, the controller one more: ``trainer.ray.num_cpus`` must cover them).
     """
 
-    def __init__(
-        self,
-        partition: str | None = None,
-        address: str | None = None,
-        num_cpus: int = 4,
-        num_storage_units: int = 1,
-        object_store_memory: int = 256 * 2**20,
-        temp_dir: str | None = None,
-    ) -> None:
+    def __init__(self, partition: str | None = None, num_storage_units: int = 1) -> None:
         if partition is not None and not (isinstance(partition, str) and partition):
-            raise ValueError(f"partition={partition!r} must be a non-empty string or null")
+            raise SettingError(
+                f"data.store.init_args.partition={partition!r}: use a non-empty string, or "
+                "null for a fresh unique name."
+            )
         self.partition = partition or f"lppo-{uuid.uuid4().hex[:12]}"
-        key = "data.store.init_args"
-        check_number(f"{key}.num_cpus", num_cpus, integer=True, low=1)
-        check_number(f"{key}.num_storage_units", num_storage_units, integer=True, low=1)
         check_number(
-            f"{key}.object_store_memory",
-            object_store_memory,
-            integer=True,
-            low=80 * 2**20,
-            fix="Ray needs at least 80 MiB.",
+            "data.store.init_args.num_storage_units", num_storage_units, integer=True, low=1
         )
-        self.settings = TQSettings(
-            RaySettings(address, num_cpus, object_store_memory, temp_dir), num_storage_units
-        )
+        self.num_storage_units = num_storage_units
         self._catalog: Any = None
         self._owner = True  # the original drops the partition at close; pickled copies don't
 
     # ------------------------------------------------------------------ lifecycle
     def __getstate__(self) -> dict[str, Any]:
-        return {"partition": self.partition, "settings": self.settings}
+        return {"partition": self.partition, "num_storage_units": self.num_storage_units}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.partition, self.settings = state["partition"], state["settings"]
+        self.partition, self.num_storage_units = state["partition"], state["num_storage_units"]
         self._catalog, self._owner = None, False
+
+    def _open(self) -> Any:
+        """The catalog actor; the first use starts (or attaches to) Ray and TransferQueue."""
+        if self._catalog is None:
+            self._catalog = acquire_tq(self.num_storage_units)
+        return self._catalog
+
+    def connect(self, group: ProcessGroup) -> None:
+        """Start (or attach to) Ray and TransferQueue now; every rank of ``group`` shares them.
+
+        Collective: every rank of ``group`` calls it, at setup. Rank 0 opens the store first
+        (starting what is not running yet), then sends its Ray cluster address and partition
+        to the others, which attach to that cluster (unless ``trainer.ray.address`` names one
+        already) and use that partition as a pickled copy would: they never drop it. Rank 0
+        drops it and stops what it started at :meth:`close`, which ``ReplayDataModule`` calls
+        on rank 0 only after every other rank has closed.
+        """
+        if group.rank == 0:
+            self._open()
+        info = (cluster_address(), self.partition) if group.rank == 0 else None
+        address, partition = group.broadcast_object(info)
+        if group.rank == 0:
+            return
+        if configured_ray().address is None:  # rank 0's local Ray, on this machine's loopback
+            configure_ray(dataclasses.replace(configured_ray(), address=address))
+        self.partition, self._owner = partition, False
+        self._open()
 
     def _submit(self, method: str, *args: Any) -> Any:
         """Start a catalog method for this partition; returns its Ray object ref."""
-        if self._catalog is None:
-            self._catalog = acquire_tq(self.settings)
-        return getattr(self._catalog, method).remote(self.partition, *args)
+        return getattr(self._open(), method).remote(self.partition, *args)
 
     @staticmethod
     def _result(ref: Any) -> Any:
         """Wait for a catalog call; raise its error here."""
-        err, value = ray_module().get(ref)
+        err, value = ray_module("tq").get(ref)
         if err is not None:
-            raise _ERRORS[err](value)
+            raise ERRORS[err](value)
         return value
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -175,7 +156,7 @@ class TransferQueueReplayStore:
             return
         try:
             if self._owner:
-                ids = ray_module().get(self._catalog.drop_partition.remote(self.partition))
+                ids = ray_module("tq").get(self._catalog.drop_partition.remote(self.partition))
                 self._clear_keys(ids)
         finally:
             self._catalog = None
@@ -256,9 +237,9 @@ class TransferQueueReplayStore:
         if not id_list:
             return
         valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else [0] * len(id_list)
-        nbytes = {n: [_nbytes(t) for t in ts] for n, ts in cols.items()}
+        nbytes = {n: [nbytes_of(t) for t in ts] for n, ts in cols.items()}
         reserve = self._submit("reserve_put", id_list, specs, lengths, valid, nbytes)
-        batch = self._batch(cols, specs)  # while the catalog validates and reserves
+        batch = to_batch(cols, specs)  # while the catalog validates and reserves
         self._result(reserve)
         try:
             self._transfer(id_list, batch)
@@ -270,13 +251,6 @@ class TransferQueueReplayStore:
         except KeyError:  # discarded meanwhile (discard): take back what was transferred
             self._clear_keys(id_list)
             raise
-
-    def _batch(self, cols: dict[str, list[torch.Tensor]], specs: dict[str, tuple[str, int]]) -> Any:
-        from tensordict import TensorDict
-
-        n = len(next(iter(cols.values())))
-        fields = {name: _field(ts, specs[name][1]) for name, ts in cols.items()}
-        return TensorDict(fields, batch_size=[n])
 
     def _transfer(self, ids: list[int], batch: Any) -> None:
         tq_module().kv_batch_put(
@@ -308,8 +282,8 @@ class TransferQueueReplayStore:
             raise
         self._call("check_write", id_list, specs, dims)
         valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else None
-        nbytes = {n: [_nbytes(t) for t in ts] for n, ts in cols.items()}
-        self._transfer(id_list, self._batch(cols, specs))
+        nbytes = {n: [nbytes_of(t) for t in ts] for n, ts in cols.items()}
+        self._transfer(id_list, to_batch(cols, specs))
         self._call("commit_write", id_list, specs, valid, nbytes)
 
     # ------------------------------------------------------------------ read side
@@ -341,7 +315,7 @@ class TransferQueueReplayStore:
         pos = {i: k for k, i in enumerate(unique)}
         out = {}
         for name in names:
-            rows = _rows_of(got[name])
+            rows = rows_of(got[name])
             seen: set[int] = set()
             col = []
             for i in id_list:  # a repeated id gets its own copy
@@ -430,29 +404,9 @@ class TransferQueueReplayStore:
         the first dimension in ``rows`` order (row-level columns stacked).
         """
         st = self._call("state")
-        lengths = dict(zip(st["ids"], st["lengths"], strict=True))
-        data = {}
-        for name, rows in st["held"].items():
-            if not rows:
-                continue
-            rank = st["columns"][name][1]
-            values = self._fetch(rows, [name])[name]
-            data[name] = {
-                "rows": rows,
-                "values": torch.stack(values) if rank == 0 else torch.cat(values),
-            }
-            assert rank == 0 or sum(lengths[i] for i in rows) == data[name]["values"].shape[0]
-        return {
-            "format": _FORMAT,
-            "schema": st["schema"],
-            "columns": st["columns"],
-            "ids": st["ids"],
-            "lengths": torch.tensor(st["lengths"], dtype=torch.int64),
-            "data": data,
-            "claims": st["claims"],
-            "released": st["released"],
-            "next_id": st["next_id"],
-        }
+        return encode_state(
+            st, {n: self._fetch(rows, [n])[n] for n, rows in st["held"].items() if rows}, _FORMAT
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the store's rows with ``state`` (from :meth:`state_dict`).
@@ -464,6 +418,6 @@ class TransferQueueReplayStore:
         self._clear_keys(self._call("clear"))
         for ids, cols in batches:
             specs = {n: meta["columns"][n] for n in cols}
-            self._transfer(ids, self._batch(cols, specs))
+            self._transfer(ids, to_batch(cols, specs))
         rows = meta.pop("rows")
         self._call("load", meta, rows)

@@ -23,8 +23,8 @@ actor loaded with the current weights and its part is retried, up to ``max_resta
 per call; a part that still fails is dropped: its samples are missing from the output and
 counted as dropped, so they count against ``data.drop_budget``.
 
-Ray comes from :mod:`lppo.ray_runtime` (a local Ray on loopback unless ``address`` is given);
-:meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
+Ray comes from :mod:`lppo.ray_runtime`, as ``trainer.ray`` says (a local Ray on loopback, or a
+cluster address); :meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lppo.ray_runtime import RaySettings, acquire_ray, ray_module, release_ray
+from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout, concat_stored, put_rollout
 from lppo.rollout.base import (
@@ -168,12 +168,8 @@ class RayWorkersEngine:
 
     Args:
         num_workers: rollout worker actors (one logical Ray CPU each).
-        engine: the engine each worker runs (``null``: ``HFGenerateEngine()``).
-        address: Ray cluster to attach to (``"auto"`` or ``"HOST:PORT"``); ``null`` starts a
-            local Ray bound to ``127.0.0.1``. Must match the Ray settings of a
-            TransferQueue store used in the same run.
-        num_cpus: logical CPUs of a local Ray (ignored when attaching).
-        temp_dir: session directory root of a local Ray (``null``: Ray's default).
+        engine: the engine each worker runs (``null``: ``HFGenerateEngine()``). The Ray
+            cluster the workers run on is ``trainer.ray``'s (on several nodes they spread).
         timeout_s: longest wait for any worker call (start, weight load, one part).
         max_restarts: worker replacements per ``generate`` call before a part is dropped.
     """
@@ -182,9 +178,6 @@ class RayWorkersEngine:
         self,
         num_workers: int = 2,
         engine: RolloutEngine | None = None,
-        address: str | None = None,
-        num_cpus: int = 4,
-        temp_dir: str | None = None,
         timeout_s: float = 300.0,
         max_restarts: int = 2,
     ) -> None:
@@ -198,15 +191,14 @@ class RayWorkersEngine:
             fix="Seconds a worker may take for its share of a rollout.",
         )
         check_number(f"{key}.max_restarts", max_restarts, integer=True, low=0)
-        check_number(f"{key}.num_cpus", num_cpus, integer=True, low=1)
         self.num_workers = num_workers
         self.engine: RolloutEngine = engine if engine is not None else HFGenerateEngine()
-        self.ray_settings = RaySettings(address=address, num_cpus=num_cpus, temp_dir=temp_dir)
         self.timeout_s = timeout_s
         self.max_restarts = max_restarts
         self.weights_version = 0
         self.workers: list[Any] = []
         self.restarts = 0  # workers replaced so far (reported, tested)
+        self.placement: list[tuple[int, str]] = []  # (pid, Ray node id) of each started worker
         self._spawn: Any = None
         self._weights: Any = None  # object ref of the latest state dict
 
@@ -214,7 +206,7 @@ class RayWorkersEngine:
     def setup(self, policy: torch.nn.Module, tokenizer: Any, sampling: RolloutSettings) -> None:
         """Start Ray (or attach) and the workers, each with a copy of ``policy``."""
         ray = ray_module()
-        acquire_ray(self.ray_settings)
+        acquire_ray("ray")
         # SPREAD: on a cluster of several nodes the workers land on different nodes.
         actor_class = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker).options(
             scheduling_strategy="SPREAD"
@@ -223,7 +215,7 @@ class RayWorkersEngine:
         args = (self.engine, policy_ref, tokenizer, sampling)
         self._spawn = lambda: actor_class.remote(*args)
         self.workers = [self._spawn() for _ in range(self.num_workers)]
-        self._wait([w.where.remote() for w in self.workers], "start")
+        self.placement = self._wait([w.where.remote() for w in self.workers], "start")
         self._weights = ray.put(_state(policy))
         self._load_all()
 

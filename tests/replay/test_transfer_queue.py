@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 from _builders import random_rows, tiny_backbone, tiny_lm
-from _tq import listening_addresses, tq_store
+from _tq import RAY, listening_addresses, tq_store
 
 from lppo.config import PPOConfig
 from lppo.controller import IterationError, PPOController
@@ -29,8 +29,10 @@ from lppo.data import ReplayDataModule
 from lppo.estimators import GAE
 from lppo.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
+from lppo.ray_runtime import RaySettings, acquire_ray, configure_ray, ray_module
 from lppo.replay import TransferQueueReplayStore
 from lppo.replay._tq_catalog import CATALOG_NAME, CATALOG_NAMESPACE
+from lppo.replay._tq_fields import to_batch
 from lppo.replay._tq_runtime import tq_controller
 from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, Rollout
 
@@ -164,7 +166,7 @@ def test_discard_takes_back_a_put_whose_writer_died_half_way() -> None:
         ids, cols = [1, 2], {INPUT_IDS: [torch.arange(4), torch.arange(5)]}
         specs = {INPUT_IDS: ("torch.int64", 1)}
         store._call("reserve_put", ids, specs, [4, 5], [0, 0], {INPUT_IDS: [32, 40]})
-        store._transfer(ids, store._batch(cols, specs))
+        store._transfer(ids, to_batch(cols, specs))
         assert catalog_rows(store) == 3 and tq_keys(store) == {"0", "1", "2"}
         store.discard([1, 2, 3])  # 3: allocated, never put
         assert catalog_rows(store) == 1 and tq_keys(store) == {"0"} and len(store) == 1
@@ -215,21 +217,63 @@ def test_services_bind_to_loopback() -> None:
 
 
 def test_configuration_errors_name_the_key() -> None:
-    with pytest.raises(ValueError, match=r"num_storage_units=4 needs 5 Ray CPUs.*num_cpus=4"):
-        TransferQueueReplayStore(num_storage_units=4)
-    with pytest.raises(ValueError, match="num_cpus=0"):
-        TransferQueueReplayStore(num_cpus=0)
-    with pytest.raises(ValueError, match="partition=''"):
+    with pytest.raises(ValueError, match=r"trainer\.ray\.num_cpus=0"):
+        RaySettings(num_cpus=0)
+    with pytest.raises(ValueError, match=r"trainer\.ray\.object_store_memory=1 "):
+        RaySettings(object_store_memory=1)
+    with pytest.raises(ValueError, match=r"trainer\.ray\.address=''"):
+        RaySettings(address="")
+    with pytest.raises(ValueError, match=r"data\.store\.init_args\.partition=''"):
         TransferQueueReplayStore(partition="")
-    with pytest.raises(ValueError, match="object_store_memory"):
-        TransferQueueReplayStore(object_store_memory=1)
+    with pytest.raises(ValueError, match=r"data\.store\.init_args\.num_storage_units=0"):
+        TransferQueueReplayStore(num_storage_units=0)
 
 
-def test_other_settings_in_the_same_process_are_refused() -> None:
+def test_too_few_ray_cpus_for_the_storage_units_are_refused_before_any_wait() -> None:
+    """A local Ray with 4 logical CPUs cannot hold a controller and 4 storage units."""
+    temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")
+    out = subprocess.run(
+        [sys.executable, "-c", TOO_FEW_CPUS, temp_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    message = out.stdout.strip().splitlines()[-1]
+    assert "data.store.init_args.num_storage_units=4 needs 5 free Ray CPUs" in message
+    assert "trainer.ray.num_cpus" in message
+
+
+TOO_FEW_CPUS = """
+import sys
+from lppo.ray_runtime import RaySettings, configure_ray, ray_owned_here
+from lppo.replay import TransferQueueReplayStore
+configure_ray(RaySettings(num_cpus=4, temp_dir=sys.argv[1]))
+try:
+    len(TransferQueueReplayStore(num_storage_units=4))
+except ValueError as error:
+    assert not ray_owned_here()  # the Ray started for it is stopped again
+    print(error)
+"""
+
+
+def test_other_ray_settings_in_the_same_process_are_refused() -> None:
     tq_store()
-    store = TransferQueueReplayStore(num_cpus=6)
-    with pytest.raises(ValueError, match="already"):
-        len(store)
+    configure_ray(RaySettings(num_cpus=6))
+    try:
+        with pytest.raises(ValueError, match=r"trainer\.ray=.*already running"):
+            acquire_ray()
+    finally:
+        configure_ray(RAY)
+
+
+def test_missing_ray_names_the_extra_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ImportError, match=r"\[tq\]"):
+        ray_module("tq")
+    with pytest.raises(ImportError, match=r"\[ray\]"):
+        ray_module("ray")
 
 
 def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

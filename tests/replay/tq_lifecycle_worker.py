@@ -23,6 +23,7 @@ from lppo.data import ReplayDataModule
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
+from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
@@ -55,9 +56,11 @@ def main(temp_dir: str, root: str) -> None:
         ppo=PPOConfig(),
         num_threads=1,
     )
-    store = TransferQueueReplayStore(temp_dir=temp_dir)
+    store = TransferQueueReplayStore()
     probe = FailInActorPhase()
-    trainer = PPOTrainer(max_epochs=1, default_root_dir=root, callbacks=[probe])
+    trainer = PPOTrainer(
+        max_epochs=1, default_root_dir=root, callbacks=[probe], ray=RaySettings(temp_dir=temp_dir)
+    )
     error = ""
     try:
         trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=24, store=store))

@@ -8,9 +8,10 @@ import threading
 import psutil
 import pytest
 import torch
-from _tq import STORE_ARGS, ray_processes
+from _tq import RAY, ray_processes
 
 from lppo.models import HFCausalLM
+from lppo.ray_runtime import configure_ray
 from lppo.rollout import GenerationOutput, HFGenerateEngine, RolloutSettings, to_rollout
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import derive_seed
@@ -49,7 +50,8 @@ def rows(output: GenerationOutput) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def workers():
-    engine = RayWorkersEngine(num_workers=2, timeout_s=120, **STORE_ARGS)
+    configure_ray(RAY)  # the session's Ray (tests/_tq.py)
+    engine = RayWorkersEngine(num_workers=2, timeout_s=120)
     engine.setup(policy(0), TOK, SAMPLING)
     yield engine
     engine.close()

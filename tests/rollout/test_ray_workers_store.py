@@ -14,7 +14,7 @@ import threading
 import pytest
 import ray
 import torch
-from _tq import STORE_ARGS, tq_store
+from _tq import RAY, tq_store
 from replay.test_transfer_queue import catalog_rows, tq_keys
 
 from lppo.config import PPOConfig
@@ -25,6 +25,7 @@ from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.parallel import ProcessGroup
+from lppo.ray_runtime import configure_ray
 from lppo.replay import MemoryReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
 from lppo.rollout import RolloutSettings, RolloutSource, RolloutWorkerError
@@ -69,13 +70,15 @@ def fit(tmp_path, store) -> tuple[PPOSystem, list[IterationResult]]:
         actor=ActorModule(HFCausalLM(**spec, seed=0), lr=1e-2),
         critic=CriticModule(HFCausalLM(**spec, seed=1), lr=1e-2),
         task=TASK,
-        engine=RayWorkersEngine(num_workers=2, timeout_s=600, **STORE_ARGS),
+        engine=RayWorkersEngine(num_workers=2, timeout_s=600),
         rollout=dataclasses.replace(SAMPLING, max_new_tokens=6),
         ppo=PPOConfig(max_abs_reward=0.5, actor_minibatches=2),
         num_threads=1,
     )
     results = Results()
-    trainer = PPOTrainer(max_epochs=2, default_root_dir=str(tmp_path), callbacks=[results])
+    trainer = PPOTrainer(
+        max_epochs=2, default_root_dir=str(tmp_path), callbacks=[results], ray=RAY
+    )
     data = ReplayDataModule(max_tokens_per_chunk=40, store=store, drop_budget=11)
     try:
         trainer.fit(system, datamodule=data)
@@ -98,7 +101,8 @@ def test_a_fit_equals_the_return_samples_path(tmp_path):
 
 @pytest.fixture(scope="module")
 def workers():
-    engine = RayWorkersEngine(num_workers=2, timeout_s=600, **STORE_ARGS)  # waits: a busy box
+    configure_ray(RAY)  # the session's Ray (tests/_tq.py)
+    engine = RayWorkersEngine(num_workers=2, timeout_s=600)  # waits: a busy box
     engine.setup(actor().policy(), TOK, SAMPLING)
     yield engine
     engine.close()
