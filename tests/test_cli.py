@@ -27,6 +27,7 @@ from lppo.cli import run
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
+from lppo.ray_runtime import RaySettings
 from lppo.system import PPOSystem, RolloutSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +124,7 @@ def test_console_script_help_documents_every_knob() -> None:
     options += [f"--model.{name}" for name in init_params(PPOSystem)]
     options += [f"--model.rollout.{f.name}" for f in dataclasses.fields(RolloutSettings)]
     options += [f"--model.ppo.{f.name}" for f in dataclasses.fields(PPOConfig)]
+    options += [f"--trainer.ray.{f.name}" for f in dataclasses.fields(RaySettings)]
     missing = [opt for opt in options if f"{opt} " not in out and f"{opt}\n" not in out]
     assert not missing, f"not documented in `lppo fit --help`: {missing}"
     text = flat(out)
@@ -133,6 +135,7 @@ def test_console_script_help_documents_every_knob() -> None:
     assert "known subclasses: lppo.ActorModule" in text  # the top-level export
     assert "known subclasses: lppo.CriticModule" in text
     assert "lppo.tasks.CopyTask" in text
+    assert "how lppo gets Ray, for every component that uses it" in text  # trainer.ray
 
 
 @pytest.mark.parametrize(
