@@ -6,7 +6,7 @@ import os
 import warnings
 from typing import Any
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -129,4 +129,12 @@ class PPOTrainer(Trainer):
             ckpt_path = next((p for p in found if os.path.exists(p)), ckpt_path)
         if ckpt_path is not None and ckpt_path not in ("last", "best", "hpc", "registry"):
             check_checkpoint(os.fspath(ckpt_path))
-        super().fit(*args, ckpt_path=ckpt_path, **kwargs)
+        try:
+            super().fit(*args, ckpt_path=ckpt_path, **kwargs)
+        except BaseException:
+            # Lightning calls no teardown hook after a failed fit; the system's stops what it
+            # started (Ray rollout workers), as after a successful one.
+            model = kwargs.get("model", args[0] if args else None)
+            if isinstance(model, LightningModule):
+                model.teardown("fit")
+            raise

@@ -99,6 +99,52 @@ def test_a_fit_equals_the_return_samples_path(tmp_path):
         assert torch.equal(a, b)  # the second rollout came from the new weights alike
 
 
+class FailInActorPhase(PPOCallback):
+    def on_chunk_end(self, ctx, result) -> None:
+        if ctx.phase == "actor":
+            raise RuntimeError("simulated failure")
+
+
+def test_a_failed_fit_stops_its_rollout_workers(tmp_path):
+    """Lightning runs no teardown after a failure; PPOTrainer.fit has the system stop them."""
+    import os
+    import time
+
+    spec = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+    engine = RayWorkersEngine(num_workers=2, timeout_s=600)
+    system = PPOSystem(
+        actor=ActorModule(HFCausalLM(**spec, seed=0), lr=1e-2),
+        critic=CriticModule(HFCausalLM(**spec, seed=1), lr=1e-2),
+        task=TASK,
+        engine=engine,
+        rollout=dataclasses.replace(SAMPLING, max_new_tokens=6),
+        num_threads=1,
+    )
+    trainer = PPOTrainer(
+        max_epochs=1, default_root_dir=str(tmp_path), callbacks=[FailInActorPhase()], ray=RAY
+    )
+    data = ReplayDataModule(max_tokens_per_chunk=40, store=MemoryReplayStore())
+    try:
+        with pytest.raises(IterationError, match="simulated failure"):
+            trainer.fit(system, datamodule=data)
+        pids = [pid for pid, _ in engine.placement]
+        assert len(pids) == 2 and engine.workers == []
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 60  # ray.kill is asynchronous
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(p) for p in pids)
+
+
 @pytest.fixture(scope="module")
 def workers():
     configure_ray(RAY)  # the session's Ray (tests/_tq.py)
