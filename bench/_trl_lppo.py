@@ -3,7 +3,8 @@
 Usage: ``python _trl_lppo.py ROOT SETUP N ITERATIONS THREADS [KEY=VALUE ...]`` where the
 optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs``
 (``recompute`` / ``rollout``), ``gen_batch`` (engine batch size, 0 = all rows) and
-``sort_by_length`` (``1``: length-sorted generation batches) and ``profile`` (a path:
+``sort_by_length`` (``1``: length-sorted generation batches), ``prefill_tokens`` (the engine's
+prefill piece budget), ``gen_cache`` (``dynamic`` / ``static``) and ``profile`` (a path:
 cProfile of the timed iterations is dumped there).
 
 The run is a real ``lppo.PPOTrainer.fit`` of a :class:`~lppo.PPOSystem` built on the
@@ -58,6 +59,16 @@ def build_task(prompts: list[list[int]]):
     return FixedPrompts()
 
 
+def engine_knobs(opts: dict[str, str]) -> dict[str, object]:
+    """``HFGenerateEngine`` arguments from the prefill / cache options (absent: its defaults)."""
+    knobs: dict[str, object] = {}
+    if "prefill_tokens" in opts:
+        knobs["prefill_tokens"] = int(opts["prefill_tokens"])
+    if "gen_cache" in opts:
+        knobs["cache"] = opts["gen_cache"]
+    return knobs
+
+
 def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int]]):
     import inspect
 
@@ -83,6 +94,7 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
             batch_size=gen_batch,
             prepend_bos=False,
             sort_by_length=opts.get("sort_by_length", "0") == "1",
+            **engine_knobs(opts),
         ),
         estimator=GAE(gamma=1.0, lam=0.95),
         reward_model=RewardModel(

@@ -45,7 +45,14 @@ sys.path.insert(0, HERE)
 
 import _trl_assets  # noqa: E402
 
-TUNED = ["old_logprobs=rollout", "score_chunk_tokens=2560", "gen_batch=64", "sort_by_length=1"]
+TUNED = [
+    "old_logprobs=rollout",
+    "score_chunk_tokens=2560",
+    "gen_batch=256",
+    "sort_by_length=1",
+    "prefill_tokens=2048",
+    "gen_cache=static",
+]
 
 
 def ensure_trl_venv(path: str) -> str:

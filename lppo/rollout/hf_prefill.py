@@ -1,0 +1,163 @@
+"""A KV cache for ``generate``, prefilled in length-sorted pieces (``HFGenerateEngine`` knobs).
+
+``generate`` prefills a left-padded batch in one forward pass, so with prompt lengths of 8-128
+tokens about half of the prefill is padding. :func:`prefilled_cache` runs the prefill over
+pieces of rows of similar length instead (each piece is only as wide as its longest prompt),
+writes every piece's keys and values into one cache laid out like the left-padded batch, and
+hands that cache to ``generate``, which then decodes all rows together. Keys and values at a
+real position depend only on that row's earlier real tokens, so the cache holds what the
+one-pass prefill computes, up to float round-off.
+
+The cache is either Hugging Face's ``DynamicCache`` (grown by concatenation at every new
+token) or its ``StaticCache`` (allocated once for prompt + ``max_new_tokens`` and written in
+place, which avoids re-copying the whole cache at every step of a large batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import transformers
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword this transformers version passes a KV cache under (``cache`` from 5.20)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def prefill_pieces(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Rows grouped for the prefill: sorted by length, each piece at most ``max_tokens`` wide.
+
+    A piece's cost is its row count times its longest prompt (the left-padded slots), so rows
+    are taken shortest first and a piece closes when one more row would pass ``max_tokens``
+    (a row longer than the budget gets a piece of its own). ``None``: one piece of all rows.
+
+    Args:
+        lengths: prompt tokens of each row, ``int[B]``.
+        max_tokens: padded-token budget of one piece.
+
+    Returns:
+        Row indices of each piece (every row exactly once).
+    """
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    if max_tokens is None:
+        return [order] if order else []
+    pieces: list[list[int]] = []
+    for r in order:
+        if pieces and (len(pieces[-1]) + 1) * lengths[r] <= max_tokens:
+            pieces[-1].append(r)
+        else:
+            pieces.append([r])
+    return pieces
+
+
+def _prefix_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as ``generate`` derives them from a left-padding mask (``int64[B, T]``)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+@torch.no_grad()
+def prefilled_cache(
+    model: transformers.PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pieces: list[list[int]],
+    static_length: int | None,
+) -> transformers.Cache:
+    """A KV cache of every prompt position but the last, filled piece by piece.
+
+    ``generate(input_ids, attention_mask, cache=...)`` then runs only the last prompt column
+    through the model before sampling, exactly as after its own prefill.
+
+    Args:
+        model: the causal LM (every layer full attention).
+        input_ids: the left-padded prompts, ``int64[B, W]``.
+        attention_mask: ``int64[B, W]``; 1 on prompt tokens.
+        pieces: row indices of each prefill forward (:func:`prefill_pieces`).
+        static_length: ``None`` for a ``DynamicCache``; otherwise the ``StaticCache`` length
+            (at least ``W`` + the tokens to generate).
+
+    Raises:
+        ValueError: the model has a layer that is not full attention (sliding window, linear
+            attention, ...), whose cache cannot be laid out this way.
+    """
+    width = input_ids.shape[1]
+    keyword = cache_keyword(model)
+    static = (
+        None
+        if static_length is None
+        else StaticCache(config=model.config, max_cache_len=static_length)
+    )
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for rows in pieces:
+        lb = int(attention_mask[rows].sum(dim=1).max())
+        if lb < 2:
+            continue  # one-token prompts: nothing before the last token to cache
+        cols = slice(width - lb, width - 1)
+        mask = attention_mask[rows, cols]
+        piece = DynamicCache(config=model.config)
+        model(
+            input_ids=input_ids[rows, cols],
+            attention_mask=mask,
+            position_ids=_prefix_positions(mask),
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: piece},
+        )
+        if not keys:
+            _check_full_attention(model, piece)
+            keys, values = _prefix_tensors(piece, static, input_ids.shape[0], width)
+        for i, layer in enumerate(piece.layers):
+            keys[i][rows, :, cols] = layer.keys
+            values[i][rows, :, cols] = layer.values
+    if static is not None:
+        if keys:  # the prefix was written in place: record its length
+            for layer in static.layers:
+                layer.cumulative_length.fill_(width - 1)
+        return static
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k, v, i)
+    return cache
+
+
+def _check_full_attention(model: torch.nn.Module, cache: DynamicCache) -> None:
+    """Raise unless every layer of ``cache`` is a plain full-attention ``DynamicLayer``."""
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"model.engine.init_args.prefill_tokens / cache: {type(model).__name__} has a "
+                f"{type(layer).__name__} layer; only full-attention layers can be prefilled "
+                "in pieces. Set prefill_tokens: null and cache: dynamic."
+            )
+
+
+def _prefix_tensors(
+    piece: DynamicCache, static: StaticCache | None, batch: int, width: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer key / value tensors the pieces are written into (``[B, heads, T, head_dim]``).
+
+    For a static cache these are views of its own storage (its first ``width - 1``
+    positions), so the prefix is never held twice; otherwise zeros of ``width - 1``.
+    """
+    first = piece.layers[0]
+    if static is not None:
+        heads, dims = first.keys.shape[1], first.keys.shape[-1]
+        static.early_initialization(batch, heads, dims, first.keys.dtype, first.keys.device)
+        return (
+            [layer.keys[:, :, : width - 1] for layer in static.layers],
+            [layer.values[:, :, : width - 1] for layer in static.layers],
+        )
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(batch, t.shape[1], width - 1, t.shape[-1])
+
+    return [zeros(layer.keys) for layer in piece.layers], [
+        zeros(layer.values) for layer in piece.layers
+    ]

@@ -1,0 +1,123 @@
+"""HFGenerateEngine's ``prefill_tokens`` (length-sorted prefill pieces) and ``cache`` knobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from lppo.models import HFCausalLM
+from lppo.rollout import HFGenerateEngine, RolloutSettings
+from lppo.rollout.hf_prefill import prefill_pieces
+from lppo.tasks import CopyTask
+from lppo.tokenizer import build_char_tokenizer
+
+TASK = CopyTask(min_length=1, max_length=12)
+TOK = build_char_tokenizer(TASK.vocabulary())
+PROMPTS = TASK.sample_prompts(10, random.Random(4))
+
+
+def _model(dtype: str = "float64") -> transformers.PreTrainedModel:
+    spec = HFCausalLM(dtype=dtype, seed=1)
+    return spec.build(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+
+
+def _generate(model, greedy: bool = False, ignore_eos: bool = False, **knobs):
+    engine = HFGenerateEngine(batch_size=8, **knobs)
+    sampling = RolloutSettings(max_new_tokens=7, temperature=2.0, ignore_eos=ignore_eos)
+    engine.setup(model, TOK, sampling)
+    return engine.generate(PROMPTS, samples_per_prompt=2, seed=5, greedy=greedy)
+
+
+def test_pieces_cover_every_row_once_within_the_budget() -> None:
+    lengths = [random.Random(s).randint(1, 40) for s in range(50)]
+    for budget in (1, 7, 40, 100, 10_000):
+        pieces = prefill_pieces(lengths, budget)
+        assert sorted(r for p in pieces for r in p) == list(range(50))
+        for piece in pieces:
+            width = max(lengths[r] for r in piece)
+            assert len(piece) == 1 or len(piece) * width <= budget
+        flat = [lengths[r] for p in pieces for r in p]
+        assert flat == sorted(flat)  # shortest first, so each piece is narrow
+    assert prefill_pieces(lengths, None) == [sorted(range(50), key=lambda r: lengths[r])]
+    assert prefill_pieces([], 8) == []
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"prefill_tokens": 12},
+        {"cache": "static"},
+        {"prefill_tokens": 12, "cache": "static"},
+        {"prefill_tokens": 1},
+    ],
+)
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_samples_equal_the_one_pass_prefill(knobs, ignore_eos) -> None:
+    """Same tokens, texts and log-probs (float64: round-off never flips a sample)."""
+    model = _model()
+    base = _generate(model, ignore_eos=ignore_eos)
+    out = _generate(model, ignore_eos=ignore_eos, **knobs)
+    assert len({len(ids) for ids in base.input_ids}) > 3  # the prompts' lengths vary
+    for a, b in zip(out.input_ids, base.input_ids, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(out.gen_logprobs, base.gen_logprobs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    assert out.completions == base.completions
+    assert torch.equal(out.truncated, base.truncated)
+    for a, b in zip(out.response_mask, base.response_mask, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_greedy_float32_equals_the_one_pass_prefill() -> None:
+    model = _model("float32")
+    base = _generate(model, greedy=True)
+    out = _generate(model, greedy=True, prefill_tokens=16, cache="static")
+    for a, b in zip(out.input_ids, base.input_ids, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(out.gen_logprobs, base.gen_logprobs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_the_prefill_runs_in_narrow_pieces() -> None:
+    """The knob is not vacuous: the prefill forwards are narrower than the padded batch."""
+    model = _model()
+    widths: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        _generate(model, prefill_tokens=12)
+    finally:
+        hook.remove()
+    prefill = [w for w in widths if w[1] > 1]  # decode steps feed one column
+    assert len(prefill) > 2
+    assert all(rows * width <= 12 or rows == 1 for rows, width in prefill)
+    longest = max(len(TOK(p.text)["input_ids"]) for p in PROMPTS) + 1  # + BOS
+    assert min(width for _, width in prefill) < longest - 1
+
+
+def test_sliding_window_models_are_refused_with_the_fix() -> None:
+    cfg = transformers.MistralConfig(
+        vocab_size=len(TOK),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    model = transformers.MistralForCausalLM(cfg)
+    engine = HFGenerateEngine(prefill_tokens=64)
+    engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
+    with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: null"):
+        engine.generate(PROMPTS[:3], seed=0)
+
+
+def test_knobs_are_validated() -> None:
+    with pytest.raises(ValueError, match=r"model\.engine\.init_args\.prefill_tokens=0"):
+        HFGenerateEngine(prefill_tokens=0)
+    with pytest.raises(ValueError, match=r"model\.engine\.init_args\.cache='paged'"):
+        HFGenerateEngine(cache="paged")  # type: ignore[arg-type]
