@@ -55,16 +55,16 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def columns(self) -> dict[str, list[torch.Tensor]]:
-        """Return the rows as replay-store columns (``name -> one tensor per row``)."""
+    def columns(self, rows: slice = slice(None)) -> dict[str, list[torch.Tensor]]:
+        """Return rows ``rows`` as replay-store columns (``name -> one tensor per row``)."""
         cols: dict[str, list[torch.Tensor]] = {
-            INPUT_IDS: list(self.input_ids),
-            RESPONSE_MASK: list(self.response_mask),
-            GEN_LOGPROBS: list(self.gen_logprobs),
-            REWARD: list(self.reward.unbind(0)),
-            "prompt_index": list(self.prompt_index.unbind(0)),
+            INPUT_IDS: self.input_ids[rows],
+            RESPONSE_MASK: self.response_mask[rows],
+            GEN_LOGPROBS: self.gen_logprobs[rows],
+            REWARD: list(self.reward[rows].unbind(0)),
+            "prompt_index": list(self.prompt_index[rows].unbind(0)),
         }
-        cols.update({k: list(v) for k, v in self.extras.items()})
+        cols.update({k: list(v[rows]) for k, v in self.extras.items()})
         return cols
 
 

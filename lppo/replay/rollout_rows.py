@@ -20,7 +20,11 @@ from lppo.config import PPOConfig
 from lppo.replay.base import ReplayStore
 from lppo.types import RESPONSE_MASK, REWARD, TRUNCATED, Rollout
 
-__all__ = ["RowRules", "StoredRollout", "concat_stored", "mark_invalid", "put_rollout"]
+__all__ = ["PUT_ROWS", "RowRules", "StoredRollout", "concat_stored", "mark_invalid", "put_rollout"]
+
+PUT_ROWS = 1024
+"""Rows per ``store.put``: the per-row column views of a put exist for this many rows at once,
+so putting 16k short rows does not hold tens of thousands of small tensors at the peak."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ def put_rollout(
 ) -> StoredRollout:
     """Put ``rollout``'s rows into ``store`` as rows ``ids``, invalid rows marked.
 
+    The rows go in :data:`PUT_ROWS` at a time; if any put fails, every id is discarded.
+
     Args:
         store: the replay store.
         ids: one id per sample (from ``store.allocate``), in sample order.
@@ -112,9 +118,16 @@ def put_rollout(
     """
     if len(ids) != len(rollout):
         raise ValueError(f"put_rollout: {len(ids)} row ids for {len(rollout)} samples")
-    columns = rollout.columns()
-    bad_rewards = mark_invalid(columns, rules)
-    store.put(ids, columns)
+    bad_rewards = 0
+    try:
+        for start in range(0, len(ids), PUT_ROWS):
+            rows = slice(start, start + PUT_ROWS)
+            columns = rollout.columns(rows)
+            bad_rewards += mark_invalid(columns, rules)
+            store.put(ids[rows], columns)
+    except BaseException:
+        store.discard(ids)  # a put that fails part-way leaves none of the rollout behind
+        raise
     lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
     return StoredRollout(tuple(ids), rollout.reward, lengths, bad_rewards, rollout.dropped)
 
