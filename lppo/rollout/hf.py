@@ -9,7 +9,12 @@ import torch
 import transformers
 
 from lppo.rollout.base import GenerationOutput, RolloutSettings
-from lppo.rollout.hf_prefill import cache_keyword, prefill_pieces, prefilled_cache
+from lppo.rollout.hf_prefill import (
+    cache_keyword,
+    check_full_attention,
+    prefill_pieces,
+    prefilled_cache,
+)
 from lppo.tasks.base import Prompt
 from lppo.validation import check_number
 
@@ -170,8 +175,9 @@ class HFGenerateEngine:
         """Share ``policy`` (not a copy) and take the sampling settings.
 
         Raises:
-            ValueError: the tokenizer has no EOS token, or ``chat_template`` is set and the
-                tokenizer has no chat template.
+            ValueError: the tokenizer has no EOS token, ``chat_template`` is set and the
+                tokenizer has no chat template, or ``prefill_tokens`` / ``cache: static`` is
+                set for a model with a layer that is not full attention.
         """
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer must define an eos token")
@@ -181,6 +187,8 @@ class HFGenerateEngine:
                 "template; use a tokenizer directory that has one (model.tokenizer_path) or "
                 "set chat_template: false"
             )
+        if self.prefill_tokens is not None or self.cache == "static":
+            check_full_attention(policy)
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling

@@ -75,16 +75,12 @@ def prefilled_cache(
     through the model before sampling, exactly as after its own prefill.
 
     Args:
-        model: the causal LM (every layer full attention).
+        model: the causal LM (every layer full attention: :func:`check_full_attention`).
         input_ids: the left-padded prompts, ``int64[B, W]``.
         attention_mask: ``int64[B, W]``; 1 on prompt tokens.
         pieces: row indices of each prefill forward (:func:`prefill_pieces`).
         static_length: ``None`` for a ``DynamicCache``; otherwise the ``StaticCache`` length
             (at least ``W`` + the tokens to generate).
-
-    Raises:
-        ValueError: the model has a layer that is not full attention (sliding window, linear
-            attention, ...), whose cache cannot be laid out this way.
     """
     width = input_ids.shape[1]
     keyword = cache_keyword(model)
@@ -111,7 +107,6 @@ def prefilled_cache(
             **{keyword: piece},
         )
         if not keys:
-            _check_full_attention(model, piece)
             keys, values = _prefix_tensors(piece, static, input_ids.shape[0], width)
         for i, layer in enumerate(piece.layers):
             keys[i][rows, :, cols] = layer.keys
@@ -127,9 +122,13 @@ def prefilled_cache(
     return cache
 
 
-def _check_full_attention(model: torch.nn.Module, cache: DynamicCache) -> None:
-    """Raise unless every layer of ``cache`` is a plain full-attention ``DynamicLayer``."""
-    for layer in cache.layers:
+def check_full_attention(model: torch.nn.Module) -> None:
+    """Raise unless every layer of ``model``'s KV cache is a plain full-attention layer.
+
+    Raises:
+        ValueError: a sliding-window, linear-attention, ... layer, naming the knobs and the fix.
+    """
+    for layer in DynamicCache(config=model.config).layers:
         if type(layer) is not DynamicLayer:
             raise ValueError(
                 f"model.engine.init_args.prefill_tokens / cache: {type(model).__name__} has a "

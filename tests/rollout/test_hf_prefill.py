@@ -110,10 +110,11 @@ def test_sliding_window_models_are_refused_with_the_fix() -> None:
         sliding_window=4,
     )
     model = transformers.MistralForCausalLM(cfg)
-    engine = HFGenerateEngine(prefill_tokens=64)
-    engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
-    with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: null"):
-        engine.generate(PROMPTS[:3], seed=0)
+    for knobs in ({"prefill_tokens": 64}, {"cache": "static"}):
+        engine = HFGenerateEngine(**knobs)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: nu"):
+            engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
+    HFGenerateEngine().setup(model, TOK, RolloutSettings(max_new_tokens=3))  # knobs off: fine
 
 
 def test_knobs_are_validated() -> None:
