@@ -6,6 +6,8 @@ kernel's high-water mark cannot be reset.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 import threading
@@ -39,6 +41,18 @@ def anon_bytes() -> int:
     return status_kib("RssAnon") * 1024
 
 
+def release_free_heap() -> None:
+    """Collect garbage and hand the allocator's free heap back to the kernel (glibc only).
+
+    Without it, a baseline RSS taken after a larger earlier phase still counts the heap that
+    phase freed but glibc kept, and a peak measured from there hides the growth it reuses.
+    """
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
 class PeakProbe:
     """Peak RSS from a reset point: kernel high-water mark, or a 5 ms poller as fallback.
 
@@ -55,8 +69,8 @@ class PeakProbe:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Take the baseline now: reset ``VmHWM`` or, failing that, start the poller."""
-        gc.collect()
+        """Take the baseline now (free heap released first): reset ``VmHWM`` or poll."""
+        release_free_heap()
         try:
             self._reset_high_water_mark()
         except OSError:

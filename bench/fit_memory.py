@@ -8,9 +8,10 @@ Usage (from the repository root)::
 Each measurement is a fresh process running ``lppo.PPOTrainer.fit`` on ``configs/tiny.yaml``'s
 system (copy task, tiny random Llama policy and critic, GAE, 2 critic epochs, 2 actor epochs
 of 2 minibatches, chunk budget 512 tokens, ``HFGenerateEngine(batch_size=256)``) with
-``prompts_per_iteration = rows / 4``, for two
-iterations. The second is measured: the kernel's peak-RSS mark (``VmHWM``) is reset when it
-starts and read when it ends (rollout, scoring, advantages, both training phases; before the
+``prompts_per_iteration = rows / 4``, for two iterations. The second is measured: garbage is
+collected and glibc's free heap handed back (``malloc_trim``: the baseline is the live heap,
+not what iteration 1 left allocated), then the kernel's peak-RSS mark (``VmHWM``) is reset when
+it starts and read when it ends (rollout, scoring, advantages, both training phases; before the
 rows are released). "Rows" is the replay store's ``nbytes()`` at its fullest; the figures that
 must stay flat are the peak beyond the iteration's starting RSS minus the rows, and the
 process's peak RSS during the iteration (both growths relative to the smallest row count).

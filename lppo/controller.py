@@ -263,9 +263,9 @@ class PPOController:
     ) -> tuple[dict[str, float], int]:
         """Put the rollout into the store (unless its rows are there), report its statistics.
 
-        A :class:`~lppo.rollout.RolloutSource` whose engine wrote the rows into a shared store
-        itself hands over a :class:`StoredRollout`; samples the trainer holds are put here, by
-        the same :func:`put_rollout` the engine's workers call.
+        A :class:`~lppo.rollout.RolloutSource` with a store hands over a :class:`StoredRollout`
+        (it put the rows, or its engine's workers did); a :class:`Rollout` handed to
+        :meth:`run_iteration` directly is put here, by the same :func:`put_rollout`.
 
         Returns:
             The statistics over every rank's rollout, and every rank's response tokens.

@@ -1,11 +1,12 @@
 """``RolloutSource``: where each iteration's rollout comes from.
 
 Prompts from the task → the engine's samples → one batch call of ``Task.rewards`` → a packed
-:class:`~lppo.types.Rollout`, which the controller puts into the store. With a shared store
-(``store.shared``) and an engine that writes rows itself
+:class:`~lppo.types.Rollout`, which the source puts into the store (when it has one) and
+returns as row ids and per-row scalars (a :class:`~lppo.replay.rollout_rows.StoredRollout`),
+so the samples' per-row tensors are freed before scoring starts instead of living through the
+whole iteration. With a shared store (``store.shared``) and an engine that writes rows itself
 (:class:`~lppo.rollout.StoreWritingEngine`, e.g. Ray rollout workers), the engine's processes
-reward and put the rows and the source returns only their ids and per-row scalars (a
-:class:`~lppo.replay.rollout_rows.StoredRollout`): the trainer never holds the samples.
+reward and put the rows: the trainer never holds the samples.
 
 The iteration's prompts are cut into *blocks* (``model.rollout.prompts_per_block``); each
 block is one ``generate`` call from a seed derived from ``(seed, iteration, block)``, so a
@@ -27,7 +28,7 @@ from lppo.controller import IterationError
 from lppo.modules import ActorModule
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.replay.base import ReplayStore
-from lppo.replay.rollout_rows import RowRules, StoredRollout
+from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
 from lppo.rollout.base import (
     GenerationOutput,
     PromptBlock,
@@ -110,10 +111,11 @@ class RolloutSource:
         seed: base seed; iteration ``i`` samples prompts and responses from seeds derived from
             ``(seed, i)``, so a resumed run samples exactly what the uninterrupted run would.
         group: the data-parallel group (each rank generates its own share of the blocks).
-        store: the replay store; when it is shared and the engine is a
+        store: the replay store the rows are put into (``None``: :meth:`collect` returns
+            the samples themselves); when it is shared and the engine is a
             :class:`~lppo.rollout.StoreWritingEngine`, the engine puts the rows itself.
-        rules: which rows become invalid when put (``model.ppo``), for an engine that puts
-            (``None``: only rows with a non-finite reward).
+        rules: which rows become invalid when put (``model.ppo``; ``None``: only rows with a
+            non-finite reward).
     """
 
     def __init__(
@@ -164,10 +166,12 @@ class RolloutSource:
         """This rank's rewarded samples of ``iteration`` (its blocks; ``prompt_index`` global).
 
         Returns:
-            The samples, or (engine that writes rows itself) their rows in the store.
+            The rows in the store (put here, or by an engine that writes rows itself), or the
+            samples when the source has no store.
 
         Raises:
-            IterationError: the task's reward failed (nothing of it is left in the store).
+            IterationError: the task's reward or the put failed (nothing of it is left in the
+                store).
         """
         self.sync()  # never sample from weights older than the actor's
         s = self.settings
@@ -188,9 +192,16 @@ class RolloutSource:
                 assert self.store is not None
                 job = RowJob(share, s.samples_per_prompt, self.task, self.rules)
                 return self.writer.generate_into(self.store, job)
-            return self._rewarded(prompts, share)
+            rollout = self._rewarded(prompts, share)
         except RewardError as error:
             raise IterationError(f"{iteration_label(iteration)}, phase rollout: {error}") from error
+        if self.store is None:
+            return rollout
+        try:
+            return put_rollout(self.store, self.store.allocate(len(rollout)), rollout, self.rules)
+        except Exception as error:  # put_rollout discarded what it put
+            where = f"{iteration_label(iteration)}, phase collect"
+            raise IterationError(f"{where}: {type(error).__name__}: {error}") from error
 
     def _rewarded(self, prompts: list[Prompt], share: list[PromptBlock]) -> Rollout:
         """Generate every block of ``share`` here and reward the samples in one call."""
