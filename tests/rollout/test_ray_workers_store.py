@@ -27,14 +27,14 @@ from lppo.modules import ActorModule, CriticModule
 from lppo.parallel import ProcessGroup
 from lppo.ray_runtime import configure_ray
 from lppo.replay import MemoryReplayStore
-from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
+from lppo.replay.rollout_rows import RowRules, StoredRollout
 from lppo.rollout import RolloutSettings, RolloutSource, RolloutWorkerError
 from lppo.rollout.ray_workers import RayWorkersEngine
 from lppo.system import PPOSystem
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
 from lppo.trainer import PPOTrainer
-from lppo.types import GEN_LOGPROBS, INPUT_IDS, RESPONSE_MASK, REWARD, IterationResult, Rollout
+from lppo.types import GEN_LOGPROBS, INPUT_IDS, RESPONSE_MASK, REWARD, IterationResult
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -76,9 +76,7 @@ def fit(tmp_path, store) -> tuple[PPOSystem, list[IterationResult]]:
         num_threads=1,
     )
     results = Results()
-    trainer = PPOTrainer(
-        max_epochs=2, default_root_dir=str(tmp_path), callbacks=[results], ray=RAY
-    )
+    trainer = PPOTrainer(max_epochs=2, default_root_dir=str(tmp_path), callbacks=[results], ray=RAY)
     data = ReplayDataModule(max_tokens_per_chunk=40, store=store, drop_budget=11)
     try:
         trainer.fit(system, datamodule=data)
@@ -173,13 +171,13 @@ def assert_same(got: StoredRollout, want: StoredRollout) -> None:
 
 
 def trainer_put(workers, rank: int = 0, world: int = 1) -> tuple[MemoryReplayStore, StoredRollout]:
-    """The return-samples path: a local store, the trainer rewards and puts."""
+    """The return-samples path: a local store; the trainer's source rewards and puts."""
     store = MemoryReplayStore()
     src = source(workers, store, rank, world)
-    assert src.writer is None
-    rollout = src.collect(0)
-    assert isinstance(rollout, Rollout)
-    return store, put_rollout(store, store.allocate(len(rollout)), rollout, RULES)
+    assert src.writer is None  # a local store: the samples come back to the trainer
+    stored = src.collect(0)
+    assert isinstance(stored, StoredRollout)  # put by the source, with put_rollout
+    return store, stored
 
 
 @pytest.mark.parametrize("rank", [0, 1])
