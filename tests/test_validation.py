@@ -62,6 +62,7 @@ OUT_OF_RANGE: dict[str, str] = {
     "max_value": "-1",
     "partial_weight": "1.0",
     "batch_size": "0",
+    "prefill_tokens": "0",
     "gamma": "1.5",
     "lam": "-0.1",
     "lam_returns": "1.5",
