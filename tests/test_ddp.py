@@ -102,6 +102,17 @@ def finish(proc: subprocess.Popen, args: list[str]) -> str:
     return out
 
 
+def finish_all(procs: list[subprocess.Popen], jobs: list[list[str]]) -> list[str]:
+    """:func:`finish` each process in order; if one fails, kill the others' process groups."""
+    try:
+        return [finish(proc, args) for proc, args in zip(procs, jobs, strict=True)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def run_script(args: list[str], cwd: Path) -> str:
     """Run ``python *args`` to completion; fail with its output if it fails."""
     return finish(start(args, cwd), args)
@@ -200,14 +211,7 @@ def test_two_processes_train_like_one(dtype, tmp_path):
         [str(WORKER), "--devices=1", f"--out={single}", f"--dtype={dtype}"],
     ]
     procs = [start(args, tmp_path) for args in jobs]  # concurrently: 3 single-thread processes
-    try:
-        for proc, args in zip(procs, jobs, strict=True):
-            finish(proc, args)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    finish_all(procs, jobs)
 
     [one] = [json.loads((single / "rank0.json").read_text())]
     ranks = [json.loads((dp / f"rank{r}.json").read_text()) for r in range(2)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, _env, finish
+from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, _env, finish, finish_all
 
 from lppo.strategy import SOCKET_IFNAME_VARS, bind_to_loopback, loopback_interface
 
@@ -105,14 +104,7 @@ def test_two_nodes_through_torchrun_and_slurm_train_like_one_process(tmp_path):
         *((worker, slurm_env(n, slurm_port)) for n in range(2)),
     ]
     procs = [launch(args, env, tmp_path) for args, env in jobs]
-    try:
-        for proc, (args, _) in zip(procs, jobs, strict=True):
-            finish(proc, args)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    finish_all(procs, [args for args, _ in jobs])
 
     one = json.loads((outs["single"] / "rank0.json").read_text())
     want = torch.load(outs["single"] / "state0.pt")

@@ -13,16 +13,14 @@ live row and no claim, and its released ids are exactly the ids handed out), not
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import tempfile
 import time
 
 import psutil
 import pytest
 import torch
-from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, close, finish, read_metrics, start
+from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, close, finish_all, read_metrics, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROWS_PER_ITERATION = 15  # ddp_fit_worker: 5 prompts x 3 samples
@@ -53,14 +51,7 @@ def test_two_ranks_share_one_store_and_train_like_one_process(tmp_path):
         [str(WORKER), "--devices=1", f"--out={single}"],
     ]
     procs = [start(args, tmp_path) for args in jobs]
-    try:
-        for proc, args in zip(procs, jobs, strict=True):
-            finish(proc, args)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    finish_all(procs, jobs)
     deadline = time.monotonic() + 30  # Ray's reaper may take a moment after the driver exits
     while processes_under(temp_dir) and time.monotonic() < deadline:
         time.sleep(1)
