@@ -8,7 +8,8 @@ stops the cluster. Output (last line, JSON): ``nodes`` (``[node id, IP]`` of eve
 ``workers`` (``[pid, node id]`` of each rollout worker), ``iterations`` and ``global_step``
 of the fit, ``listening`` (TCP listen addresses of the cluster's processes), ``during`` (this
 process's descendants mid-fit, ``pid -> name``), ``after_fit`` (those left once the fit has
-detached: the cluster's own), ``after`` (left once the cluster is shut down).
+detached and lppo's actors have exited: the cluster's own), ``after`` (left once the cluster
+is shut down).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
 
 MIB = 2**20
+LPPO_ACTORS = {"ray::RolloutWorker", "ray::TransferQueueController", "ray::Catalog"}
 
 
 class Probe(PPOCallback):
@@ -68,6 +70,25 @@ def cluster(temp_dir: str):
     return c
 
 
+def ray_processes_after_kill(during: dict[int, str]) -> dict[int, str]:
+    """This process's descendants once what lppo started has exited.
+
+    ``ray.kill`` returns before the actor's process exits, so first wait (60 s at most) for
+    the processes of lppo's actors seen mid-fit; one still alive then is reported.
+    """
+    import psutil
+
+    procs = []
+    for pid, name in during.items():
+        if name in LPPO_ACTORS:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs(procs, timeout=60)
+    return ray_processes()
+
+
 def main(temp_dir: str, root: str) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -100,7 +121,7 @@ def main(temp_dir: str, root: str) -> None:
         )
         data = ReplayDataModule(max_tokens_per_chunk=24, store=TransferQueueReplayStore())
         trainer.fit(system, datamodule=data)
-        after_fit = ray_processes()
+        after_fit = ray_processes_after_kill(probe.during)
     finally:
         c.shutdown()
     report = {
