@@ -48,6 +48,13 @@ class PPOConfig:
             iteration; exact when the engine samples from the actor's current weights at the
             same temperature with no top-p / top-k / min-new-tokens truncation, e.g. the
             default ``HFGenerateEngine``; otherwise the PPO ratio is off-policy).
+        old_values: where the critic's old values come from: ``score`` (a forward pass of the
+            critic over every row in the score phase) or ``critic`` (the critic's first
+            training epoch computes them, and the advantages and returns, chunk by chunk: one
+            forward pass fewer per iteration, the same values up to round-off). ``critic``
+            needs ``critic_minibatches: 1`` (so no step changes the critic before every row
+            is valued), ``disable_dropout: true`` and an estimator with per-row targets
+            (``GAE``).
     """
 
     kl_coef: float = 0.0
@@ -65,6 +72,7 @@ class PPOConfig:
     max_failed_iterations: int = 0
     disable_dropout: bool = True
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    old_values: Literal["score", "critic"] = "score"
 
     def __post_init__(self) -> None:
         """Raise ``SettingError`` naming the key, the value and the fix for a bad setting."""
@@ -106,9 +114,31 @@ class PPOConfig:
             raise SettingError(
                 f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'recompute' or 'rollout'."
             )
+        self._check_old_values()
         check_number(
             "model.ppo.critic_warmup_iterations",
             self.critic_warmup_iterations,
             integer=True,
             low=0,
         )
+
+    def _check_old_values(self) -> None:
+        if self.old_values not in ("score", "critic"):
+            raise SettingError(
+                f"model.ppo.old_values={self.old_values!r}; use 'score' or 'critic'."
+            )
+        if self.old_values != "critic":
+            return
+        if self.critic_minibatches != 1:
+            raise SettingError(
+                f"model.ppo.old_values=critic needs model.ppo.critic_minibatches=1 (got "
+                f"{self.critic_minibatches}): a step inside the first epoch would change the "
+                "critic before every row is valued; set critic_minibatches: 1 or "
+                "old_values: score."
+            )
+        if not self.disable_dropout:
+            raise SettingError(
+                "model.ppo.old_values=critic needs model.ppo.disable_dropout=true: with "
+                "dropout the training forward pass would not give the old values; set "
+                "disable_dropout: true or old_values: score."
+            )

@@ -7,7 +7,8 @@ An iteration (:meth:`PPOController.run_iteration`) is, in order:
    log-probabilities, old values and the reward model's scores, streamed chunk by chunk and
    written back as columns (a reward model's score is then combined with the task's reward,
    row by row);
-3. **advantages**: the advantage estimator (``GAE`` by default) writes advantages and returns;
+3. **advantages**: the advantage estimator (``GAE`` by default) writes advantages and returns
+   (with ``ppo.old_values: critic``, the critic's first epoch writes the old values too);
 4. **critic epochs**, then 5. **actor epochs**: ``begin → train_chunk* → finish`` per step;
 6. **release**: the rows leave the store exactly once.
 
@@ -24,6 +25,7 @@ group baselines, reward-model moments) are reduced through the parallel context.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -35,6 +37,7 @@ from torch import nn
 from lppo.algorithms.off_policy import Mismatch
 from lppo.chunks import unpad
 from lppo.config import PPOConfig
+from lppo.critic_targets import FirstEpochTargets, check_old_values
 from lppo.data import ReplayDataModule
 from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
 from lppo.hooks import IterationContext, PPOCallback
@@ -122,6 +125,7 @@ class PPOController:
         self.reward_model = reward_model
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
         check_critic(critic, self.estimator)
+        check_old_values(self.config, self.estimator)
         self.parallel = parallel if parallel is not None else ParallelContext()
         for module in self.trainable_modules():
             module.parallel = self.parallel
@@ -227,7 +231,11 @@ class PPOController:
         ctx.phase = "advantages"
         group = self.parallel.data
         inputs = EstimatorInputs(self.data.store, step, group, cfg.kl_coef, cfg.kl_kind)
-        stats.update(self.estimator.estimate(inputs))
+        targets = None
+        if cfg.old_values == "critic":  # the critic's first epoch writes them (4.)
+            targets = FirstEpochTargets(self.estimator, inputs)  # type: ignore[arg-type]
+        else:
+            stats.update(self.estimator.estimate(inputs))
         clock = _lap(seconds, "advantages", clock)
 
         # 4. critic epochs, 5. actor epochs (none during critic warmup)
@@ -238,9 +246,13 @@ class PPOController:
             phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
         for phase, module, epochs, minibatches in phases:
             first = len(ctx.step_stats)
+            first_epoch = targets if phase == "critic" else None
             padding[phase] = self._train_phase(
-                ctx, rows, phase, module, epochs, minibatches, dropped
+                ctx, rows, phase, module, epochs, minibatches, dropped, first_epoch
             )
+            if first_epoch is not None:  # 3. for old_values=critic: whiten (before the actor)
+                ctx.phase = "advantages"
+                stats.update(first_epoch.finish())
             clock = _lap(seconds, phase, clock)
             tokens[phase] = sum(s.tokens for s in ctx.step_stats[first:])
 
@@ -323,7 +335,7 @@ class PPOController:
             # With old_logprobs=rollout, π_old is μ: the mismatch (and every IS weight) is 0 / 1.
             mismatch.add(old.cpu(), gen, chunk.response_mask, self.actor.off_policy)
             columns = {OLD_LOGPROBS: unpad(chunk, old)}
-            if self.critic is not None:
+            if self.critic is not None and self.config.old_values == "score":
                 columns[VALUES] = unpad(chunk, self.critic.score(chunk))
             if self.reference is not None:
                 columns[REF_LOGPROBS] = unpad(chunk, self.reference.score(chunk))
@@ -379,8 +391,12 @@ class PPOController:
         epochs: int,
         minibatches: int,
         dropped: int,
+        targets: FirstEpochTargets | None = None,
     ) -> float:
         """``epochs`` × ``minibatches`` optimizer steps of ``module`` over streamed chunks.
+
+        With ``targets`` (the critic under ``old_values=critic``) the first epoch's chunks
+        carry them instead of the old values and returns, which that epoch writes.
 
         Returns:
             The plans' padding fraction, mean over the epochs.
@@ -398,8 +414,12 @@ class PPOController:
                 ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step
                 module.begin(step)
                 self._emit("on_train_step_start", ctx)
-                for c, chunk in enumerate(self.data.stream(step, names)):
+                fused = targets if epoch == 0 else None
+                columns = fused.columns if fused is not None else names
+                for c, chunk in enumerate(self.data.stream(step, columns)):
                     ctx.chunk = c
+                    if fused is not None:
+                        chunk = dataclasses.replace(chunk, targets=fused)
                     result = module.train_chunk(chunk)
                     self._emit("on_chunk_end", ctx, result)
                 ctx.chunk = -1

@@ -9,6 +9,7 @@ always ``False`` and every token-level field holds 0 there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -142,6 +143,10 @@ class Chunk:
         reward: ``float[B]`` sequence scores, when read.
         extras: any other column read, ``[B, T]`` or ``[B]``.
         is_padding: ``True`` for a zero-weight chunk that exists only to keep ranks in step.
+        targets: in the critic's first epoch under ``model.ppo.old_values: critic`` (then
+            ``values`` and ``returns`` are ``None``): maps ``(chunk, values)``, the critic's
+            detached ``float[B, T]`` values of this chunk, to ``(old values, returns)`` and
+            stores them with the rows' advantages.
     """
 
     row_ids: tuple[int, ...]
@@ -157,6 +162,7 @@ class Chunk:
     reward: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     is_padding: bool = False
+    targets: Callable[[Chunk, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_valid_tokens(self) -> int:

@@ -14,7 +14,7 @@ To add one: write a class with an ``estimate`` method in its own file and select
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -82,6 +82,19 @@ class EstimatorInputs:
             self.write(chunk, {ADVANTAGES: white})
 
 
+@dataclass
+class TargetMoments:
+    """What a :class:`ValueTargets` estimator accumulates over an iteration's chunks.
+
+    Attributes:
+        advantages: moments of the raw advantages over valid tokens (for whitening).
+        kl: moments of the per-token KL of the penalty over valid tokens.
+    """
+
+    advantages: Moments = field(default_factory=Moments)
+    kl: Moments = field(default_factory=Moments)
+
+
 @runtime_checkable
 class AdvantageEstimator(Protocol):
     """Computes advantages (and, with a critic, returns) of every valid row of an iteration.
@@ -104,4 +117,33 @@ class AdvantageEstimator(Protocol):
         Returns:
             Iteration metrics reported under ``rollout/`` (e.g. ``kl_mean``).
         """
+        ...
+
+
+@runtime_checkable
+class ValueTargets(AdvantageEstimator, Protocol):
+    """An estimator whose targets of a row depend only on that row's values and rewards.
+
+    Such an estimator can take the old values from the critic's first training epoch
+    (``model.ppo.old_values: critic``): per chunk, :meth:`chunk_targets` turns the values the
+    critic just computed into advantages and returns; after the epoch :meth:`finish_targets`
+    applies what spans rows (whitening). :meth:`estimate` is the same two calls over stored
+    values.
+    """
+
+    def chunk_targets(
+        self, inputs: EstimatorInputs, chunk: Chunk, values: torch.Tensor, acc: TargetMoments
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw ``(advantages, returns)``, ``float[B, T]``, of ``chunk``'s rows from ``values``.
+
+        Args:
+            inputs: the iteration's rows (for the reward columns and the KL settings).
+            chunk: rows holding :attr:`EstimatorInputs.reward_columns`.
+            values: ``float[B, T]`` old values of those rows (0 off-response).
+            acc: moments to accumulate for :meth:`finish_targets`.
+        """
+        ...
+
+    def finish_targets(self, inputs: EstimatorInputs, acc: TargetMoments) -> dict[str, float]:
+        """Finish the stored advantages of every chunk (e.g. whiten); return metrics."""
         ...

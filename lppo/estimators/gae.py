@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from lppo.algorithms import advantages_and_returns
-from lppo.estimators.base import EstimatorInputs
-from lppo.stats import Moments
-from lppo.types import ADVANTAGES, RETURNS, VALUES
+from lppo.estimators.base import EstimatorInputs, TargetMoments
+from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk
 from lppo.validation import check_number
 
 
@@ -18,6 +17,10 @@ class GAE:
     ``A = GAE(γ, λ)``, ``R = GAE(γ, λ_returns) + V``
     (:func:`~lppo.algorithms.advantages_and_returns`). Whitening uses the moments of ``A``
     over all valid tokens of all chunks and ranks, merged stably, in a second streamed pass.
+
+    It is a :class:`~lppo.estimators.ValueTargets` estimator: with ``model.ppo.old_values:
+    critic`` the critic's first epoch hands it each chunk's values (:meth:`chunk_targets`)
+    instead of a score pass writing them first.
 
     Args:
         gamma: discount γ.
@@ -54,16 +57,32 @@ class GAE:
     @torch.no_grad()
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
         """Write advantages and returns; report the mean KL of the penalty (0 without one)."""
-        moments, kl_moments = Moments(), Moments()
+        acc = TargetMoments()
         for chunk in inputs.chunks([*inputs.reward_columns, VALUES]):
             assert chunk.values is not None
-            rewards = inputs.token_rewards(chunk, kl_moments)
-            adv, ret = advantages_and_returns(
-                rewards, chunk.values, chunk.response_mask, self.gamma, self.lam, self.lam_returns
-            )
-            moments.update(adv, chunk.response_mask)
+            adv, ret = self.chunk_targets(inputs, chunk, chunk.values, acc)
             inputs.write(chunk, {ADVANTAGES: adv, RETURNS: ret})
+        return self.finish_targets(inputs, acc)
+
+    @torch.no_grad()
+    def chunk_targets(
+        self, inputs: EstimatorInputs, chunk: Chunk, values: torch.Tensor, acc: TargetMoments
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw advantages and returns ``float[B, T]`` of one chunk's rows from their ``values``.
+
+        ``chunk`` holds :attr:`EstimatorInputs.reward_columns`; ``acc`` gathers the
+        whitening and KL moments that :meth:`finish_targets` reduces.
+        """
+        rewards = inputs.token_rewards(chunk, acc.kl)
+        adv, ret = advantages_and_returns(
+            rewards, values, chunk.response_mask, self.gamma, self.lam, self.lam_returns
+        )
+        acc.advantages.update(adv, chunk.response_mask)
+        return adv, ret
+
+    def finish_targets(self, inputs: EstimatorInputs, acc: TargetMoments) -> dict[str, float]:
+        """Whiten the stored advantages (when ``whiten``); return the mean KL (0 without one)."""
         if self.whiten:
-            inputs.whiten_advantages(moments)
-        kl_moments.all_reduce(inputs.group)
-        return {"kl_mean": kl_moments.mean if kl_moments.count else 0.0}
+            inputs.whiten_advantages(acc.advantages)
+        acc.kl.all_reduce(inputs.group)
+        return {"kl_mean": acc.kl.mean if acc.kl.count else 0.0}

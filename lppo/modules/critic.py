@@ -126,12 +126,21 @@ class CriticModule(PPOModule):
         return torch.where(chunk.response_mask, v, torch.zeros_like(v))
 
     def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
-        """Clipped value loss per token; records the explained-variance and range sums."""
-        if chunk.values is None or chunk.returns is None:
+        """Clipped value loss per token; records the explained-variance and range sums.
+
+        The old values and returns are the chunk's columns, or, in the first epoch under
+        ``model.ppo.old_values: critic``, what ``chunk.targets`` makes of the values computed
+        here (detached): the first epoch then regresses on targets of its own forward pass.
+        """
+        if chunk.targets is None and (chunk.values is None or chunk.returns is None):
             raise ValueError("critic chunks need values (old values) and returns columns.")
         v = self.values(chunk)
-        old = chunk.values.to(v.dtype)
-        ret = chunk.returns.to(v.dtype)
+        if chunk.targets is not None:  # model.ppo.old_values: critic, first epoch
+            old, ret = chunk.targets(chunk, v.detach())
+        else:
+            assert chunk.values is not None and chunk.returns is not None
+            old, ret = chunk.values, chunk.returns
+        old, ret = old.to(v.dtype), ret.to(v.dtype)
         terms = value_loss(v, old, ret, clip=self.value_clip)
         mask = chunk.response_mask
         vd, rd = v.detach().to(torch.float64)[mask], ret.to(torch.float64)[mask]

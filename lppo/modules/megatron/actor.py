@@ -30,9 +30,7 @@ class MegatronActor(MegatronLifecycle, ActorModule):
             ``optimizer``, ``lr_scheduler``).
     """
 
-    def __init__(
-        self, model: MegatronGPT, **kwargs: Any
-    ) -> None:
+    def __init__(self, model: MegatronGPT, **kwargs: Any) -> None:
         if not isinstance(model, MegatronGPT):
             raise TypeError(
                 f"MegatronActor.model must be a lppo.modules.megatron.MegatronGPT, got "

@@ -77,9 +77,9 @@ def hf_to_megatron(
         "decoder.final_layernorm.weight": hf[f"{prefix}norm.weight"],
     }
     if lm_head:
-        out["output_layer.weight"] = hf.get("lm_head.weight", out[
-            "embedding.word_embeddings.weight"
-        ])
+        out["output_layer.weight"] = hf.get(
+            "lm_head.weight", out["embedding.word_embeddings.weight"]
+        )
     layers = sorted({int(k.split(".")[1 + bool(prefix)]) for k in hf if ".layers." in k})
     d, g, r = shape.head_dim, shape.num_groups, shape.heads_per_group
     for i in layers:

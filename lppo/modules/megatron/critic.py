@@ -26,9 +26,7 @@ class MegatronCritic(MegatronLifecycle, CriticModule):
             ``lr_scheduler``).
     """
 
-    def __init__(
-        self, backbone: MegatronGPT, **kwargs: Any
-    ) -> None:
+    def __init__(self, backbone: MegatronGPT, **kwargs: Any) -> None:
         if not isinstance(backbone, MegatronGPT):
             raise TypeError(
                 f"MegatronCritic.backbone must be a lppo.modules.megatron.MegatronGPT, got "

@@ -1,0 +1,86 @@
+"""Old values from the critic's first training epoch (``model.ppo.old_values: critic``).
+
+With one optimizer step per critic epoch, the critic's weights through its first epoch are the
+weights the score phase would have run it with, so that epoch's forward pass already computes
+the old values. :class:`FirstEpochTargets` turns them, chunk by chunk, into the advantages and
+returns that the estimator would have written after a score pass: one forward pass of the
+critic over every row fewer per iteration, and the same numbers up to round-off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lppo.config import PPOConfig
+from lppo.estimators.base import (
+    AdvantageEstimator,
+    EstimatorInputs,
+    TargetMoments,
+    ValueTargets,
+)
+from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk
+
+
+class FirstEpochTargets:
+    """``Chunk.targets`` of one iteration's first critic epoch.
+
+    Args:
+        estimator: the iteration's estimator (its per-chunk targets and final whitening).
+        inputs: the iteration's rows, as the estimator reads and writes them.
+    """
+
+    def __init__(self, estimator: ValueTargets, inputs: EstimatorInputs) -> None:
+        self.estimator = estimator
+        self.inputs = inputs
+        self.moments = TargetMoments()
+        self.rows: set[int] = set()
+
+    @property
+    def columns(self) -> list[str]:
+        """Columns the first epoch's chunks must hold: the estimator's reward columns."""
+        return self.inputs.reward_columns
+
+    def __call__(self, chunk: Chunk, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the chunk's old values, advantages and returns; return ``(values, returns)``.
+
+        Args:
+            chunk: a first-epoch critic chunk (with :attr:`columns`).
+            values: ``float[B, T]`` the critic's detached values of the chunk.
+        """
+        # Zero off-response, as CriticModule.score writes them.
+        old = torch.where(chunk.response_mask, values, torch.zeros_like(values))
+        adv, ret = self.estimator.chunk_targets(self.inputs, chunk, old, self.moments)
+        self.inputs.write(chunk, {VALUES: old, ADVANTAGES: adv, RETURNS: ret})
+        self.rows.update(chunk.row_ids)
+        return old, ret
+
+    def finish(self) -> dict[str, float]:
+        """After the epoch: the estimator's final pass (whitening); returns its metrics.
+
+        Raises:
+            RuntimeError: a row of the iteration got no targets in the epoch.
+        """
+        wanted = {i for ids in self.inputs.step.chunks for i in ids}
+        if missing := wanted - self.rows:
+            raise RuntimeError(
+                f"model.ppo.old_values=critic: {len(missing)} rows got no values in the "
+                "critic's first epoch (each row must be in one of its chunks)."
+            )
+        return self.estimator.finish_targets(self.inputs, self.moments)
+
+
+def check_old_values(config: PPOConfig, estimator: AdvantageEstimator) -> None:
+    """Reject ``model.ppo.old_values: critic`` with an estimator that has no per-row targets.
+
+    (The settings it needs inside ``model.ppo`` are checked by :class:`PPOConfig`; a missing
+    critic by the controller's critic check.)
+
+    Raises:
+        ValueError: naming ``model.ppo.old_values``, the estimator and the fix.
+    """
+    if config.old_values == "critic" and not isinstance(estimator, ValueTargets):
+        raise ValueError(
+            f"model.ppo.old_values=critic needs an estimator with per-row value targets "
+            f"(chunk_targets / finish_targets, like lppo.estimators.GAE); "
+            f"model.estimator={type(estimator).__name__} has none. Set old_values: score."
+        )

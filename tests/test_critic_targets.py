@@ -1,0 +1,121 @@
+"""``model.ppo.old_values: critic``: the critic's first epoch values the rows, exactly.
+
+The score phase then runs no critic forward pass; the old values, advantages and returns it
+writes, the iteration's metrics and the trained weights equal those of ``old_values: score``
+to round-off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lppo.config import PPOConfig
+from lppo.controller import PPOController
+from lppo.data import ReplayDataModule
+from lppo.estimators import GRPO
+from lppo.hooks import PPOCallback
+from lppo.models import HFCausalLM
+from lppo.modules import ActorModule, CriticModule
+from lppo.system import PPOSystem, RolloutSettings
+from lppo.tasks import CopyTask
+from lppo.trainer import PPOTrainer
+from lppo.types import ADVANTAGES, RETURNS, VALUES
+from lppo.validation import SettingError
+
+
+def spec(seed: int) -> HFCausalLM:
+    return HFCausalLM(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=seed)
+
+
+class Targets(PPOCallback):
+    """The stored targets when the actor starts, and every iteration's metrics."""
+
+    def __init__(self) -> None:
+        self.columns: list[dict[str, list[torch.Tensor]]] = []
+        self.stats: list[dict[str, float]] = []
+
+    def on_phase_epoch_start(self, ctx) -> None:
+        if ctx.phase == "actor" and ctx.epoch == 0:
+            self.columns.append(ctx.store.read(ctx.row_ids, [VALUES, ADVANTAGES, RETURNS]))
+
+    def on_iteration_end(self, ctx, result) -> None:
+        self.stats.append(dict(result.rollout))
+
+
+def fit(root: Path, **ppo):
+    system = PPOSystem(
+        actor=ActorModule(spec(0), lr=1e-3),
+        critic=CriticModule(spec(1), lr=1e-3),
+        task=CopyTask(),
+        rollout=RolloutSettings(prompts_per_iteration=8, samples_per_prompt=2, max_new_tokens=5),
+        ppo=PPOConfig(kl_coef=0.05, critic_epochs=2, actor_epochs=2, **ppo),
+        num_threads=1,
+    )
+    seen = Targets()
+    trainer = PPOTrainer(
+        max_epochs=3,
+        default_root_dir=str(root),
+        accelerator="cpu",
+        callbacks=[seen],
+        enable_checkpointing=False,
+    )
+    trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=24))
+    return system, seen
+
+
+def params(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def test_first_epoch_values_equal_the_score_pass_and_train_the_same(tmp_path: Path) -> None:
+    base, base_seen = fit(tmp_path / "score")
+    scored: list[int] = []
+    score = CriticModule.score
+
+    def counting(self, chunk):
+        scored.append(len(chunk.row_ids))
+        return score(self, chunk)
+
+    CriticModule.score = counting
+    try:
+        fused, seen = fit(tmp_path / "critic", old_values="critic")
+    finally:
+        CriticModule.score = score
+    assert scored == []  # no critic forward pass in the score phase
+    assert len(seen.columns) == len(base_seen.columns) == 3
+    for it in range(3):
+        for name in (VALUES, ADVANTAGES, RETURNS):
+            got, want = seen.columns[it][name], base_seen.columns[it][name]
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        for key in ("kl_mean", "reward_mean"):
+            assert seen.stats[it][key] == pytest.approx(base_seen.stats[it][key], abs=1e-6)
+    torch.testing.assert_close(params(fused.critic), params(base.critic), rtol=0, atol=1e-5)
+    torch.testing.assert_close(params(fused.actor), params(base.actor), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("ppo", "match"),
+    [
+        ({"old_values": "epoch"}, r"model\.ppo\.old_values='epoch'; use 'score' or 'critic'"),
+        ({"critic_minibatches": 2}, r"needs model\.ppo\.critic_minibatches=1 \(got 2\)"),
+        ({"disable_dropout": False}, r"needs model\.ppo\.disable_dropout=true"),
+    ],
+)
+def test_settings_it_cannot_be_exact_with_are_rejected(ppo: dict, match: str) -> None:
+    with pytest.raises(SettingError, match=match):
+        PPOConfig(**{"old_values": "critic", **ppo})
+
+
+def test_an_estimator_without_per_row_targets_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"model\.estimator=GRPO has none\. Set old_values"):
+        PPOController(
+            actor=ActorModule(spec(0)),
+            critic=None,
+            data=ReplayDataModule(),
+            config=PPOConfig(old_values="critic"),
+            estimator=GRPO(),
+        )
