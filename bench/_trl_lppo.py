@@ -2,10 +2,10 @@
 
 Usage: ``python _trl_lppo.py ROOT SETUP N ITERATIONS THREADS [KEY=VALUE ...]`` where the
 optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs``
-(``recompute`` / ``rollout``), ``gen_batch`` (engine batch size, 0 = all rows) and
-``sort_by_length`` (``1``: length-sorted generation batches), ``prefill_tokens`` (the engine's
-prefill piece budget), ``gen_cache`` (``dynamic`` / ``static``) and ``profile`` (a path:
-cProfile of the timed iterations is dumped there).
+(``recompute`` / ``rollout``), ``old_values`` (``score`` / ``critic``), ``gen_batch`` (engine
+batch size, 0 = all rows) and ``sort_by_length`` (``1``: length-sorted generation batches),
+``prefill_tokens`` (the engine's prefill piece budget), ``gen_cache`` (``dynamic`` /
+``static``) and ``profile`` (a path: cProfile of the timed iterations is dumped there).
 
 The run is a real ``lppo.PPOTrainer.fit`` of a :class:`~lppo.PPOSystem` built on the
 benchmark's files (policy, critic backbone, reward model, tokenizer, prompts); the task serves
@@ -86,6 +86,8 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
     ppo = {"kl_coef": 0.05, "critic_epochs": 2, "actor_epochs": 2}
     if opts.get("old_logprobs", "recompute") != "recompute":
         ppo["old_logprobs"] = opts["old_logprobs"]
+    if opts.get("old_values", "score") != "score":
+        ppo["old_values"] = opts["old_values"]
     return PPOSystem(
         actor=ActorModule(HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5),
         critic=CriticModule(HFCausalLM(pretrained_path=os.path.join(root, "critic")), lr=1e-5),

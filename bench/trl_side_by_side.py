@@ -47,6 +47,7 @@ import _trl_assets  # noqa: E402
 
 TUNED = [
     "old_logprobs=rollout",
+    "old_values=critic",
     "score_chunk_tokens=2560",
     "gen_batch=256",
     "sort_by_length=1",

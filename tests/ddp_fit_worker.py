@@ -1,7 +1,7 @@
 """A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
-[--tq-temp-dir DIR]``; with ``--tq-temp-dir`` the replay is one
+[--tq-temp-dir DIR] [--old-values critic]``; with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
 the partition at the end (``tq``: partition, keys left, live rows, claims, released ids).
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--tq-temp-dir", default=None)
+    parser.add_argument("--old-values", default="score")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -155,7 +156,13 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=4,
             prompts_per_block=1,
         ),
-        ppo=PPOConfig(critic_epochs=2, actor_minibatches=2, kl_coef=0.05, mask_truncated=True),
+        ppo=PPOConfig(
+            critic_epochs=2,
+            actor_minibatches=2,
+            kl_coef=0.05,
+            mask_truncated=True,
+            old_values=args.old_values,
+        ),
         num_threads=1,
     )
     strategy: Any = PPODDPStrategy() if args.devices * args.num_nodes > 1 else "auto"

@@ -7,10 +7,12 @@ to round-off.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from test_ddp import WORKER, finish_all, start
 
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
@@ -119,3 +121,28 @@ def test_an_estimator_without_per_row_targets_is_rejected() -> None:
             config=PPOConfig(old_values="critic"),
             estimator=GRPO(),
         )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_value_their_own_rows_in_the_first_epoch_like_one_process(tmp_path):
+    """float64: two ranks under old_values=critic (each values and whitens over its own rows,
+    moments reduced over both) end where one process under old_values=score ends."""
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    single.mkdir()
+    dp.mkdir()
+    jobs = [
+        [str(WORKER), "--devices=2", f"--out={dp}", "--dtype=float64", "--old-values=critic"],
+        [str(WORKER), "--devices=1", f"--out={single}", "--dtype=float64"],
+    ]
+    finish_all([start(args, tmp_path) for args in jobs], jobs)
+    one = json.loads((single / "rank0.json").read_text())
+    for r in range(2):
+        rec = json.loads((dp / f"rank{r}.json").read_text())
+        assert (rec["world_size"], rec["global_step"], rec["rows_left"]) == (2, 4, 0)
+        assert rec["global_step"] == one["global_step"]
+    want = torch.load(single / "state0.pt")
+    got = [torch.load(dp / f"state{r}.pt") for r in range(2)]
+    for name, value in want.items():
+        assert torch.equal(got[0][name], got[1][name]), name
+        torch.testing.assert_close(got[0][name], value, rtol=1e-10, atol=1e-12)
