@@ -29,7 +29,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from lppo.chunks import unpad
 from lppo.config import PPOConfig
 from lppo.critic_targets import FirstEpochTargets, check_old_values
 from lppo.data import ReplayDataModule
-from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
+from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs, ValueTargets
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule, PPOModule
 from lppo.modules.reward_model import RewardModel
@@ -233,7 +233,7 @@ class PPOController:
         inputs = EstimatorInputs(self.data.store, step, group, cfg.kl_coef, cfg.kl_kind)
         targets = None
         if cfg.old_values == "critic":  # the critic's first epoch writes them (4.)
-            targets = FirstEpochTargets(self.estimator, inputs)  # type: ignore[arg-type]
+            targets = FirstEpochTargets(cast(ValueTargets, self.estimator), inputs)
         else:
             stats.update(self.estimator.estimate(inputs))
         clock = _lap(seconds, "advantages", clock)
