@@ -70,17 +70,19 @@ class FirstEpochTargets:
 
 
 def check_old_values(config: PPOConfig, estimator: AdvantageEstimator) -> None:
-    """Reject ``model.ppo.old_values: critic`` with an estimator that has no per-row targets.
+    """Reject ``model.ppo.old_values: critic`` without a critic estimator with per-row targets.
 
     (The settings it needs inside ``model.ppo`` are checked by :class:`PPOConfig`; a missing
-    critic by the controller's critic check.)
+    critic, which such an estimator needs, by the controller's critic check.)
 
     Raises:
         ValueError: naming ``model.ppo.old_values``, the estimator and the fix.
     """
-    if config.old_values == "critic" and not isinstance(estimator, ValueTargets):
+    if config.old_values != "critic":
+        return
+    if not isinstance(estimator, ValueTargets) or not estimator.uses_critic:
         raise ValueError(
-            f"model.ppo.old_values=critic needs an estimator with per-row value targets "
-            f"(chunk_targets / finish_targets, like lppo.estimators.GAE); "
+            f"model.ppo.old_values=critic needs an estimator that uses the critic and has "
+            f"per-row value targets (chunk_targets / finish_targets, like lppo.estimators.GAE); "
             f"model.estimator={type(estimator).__name__} has none. Set old_values: score."
         )

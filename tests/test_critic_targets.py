@@ -17,7 +17,7 @@ from test_ddp import WORKER, finish_all, start
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
-from lppo.estimators import GRPO
+from lppo.estimators import GAE, GRPO
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
@@ -112,14 +112,22 @@ def test_settings_it_cannot_be_exact_with_are_rejected(ppo: dict, match: str) ->
         PPOConfig(**{"old_values": "critic", **ppo})
 
 
-def test_an_estimator_without_per_row_targets_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"model\.estimator=GRPO has none\. Set old_values"):
+class CriticFreeGAE(GAE):
+    """Per-row targets but no critic: nobody would run the first critic epoch."""
+
+    uses_critic = False
+
+
+@pytest.mark.parametrize("estimator", [GRPO(), CriticFreeGAE()])
+def test_an_estimator_without_per_row_value_targets_is_rejected(estimator) -> None:
+    name = type(estimator).__name__
+    with pytest.raises(ValueError, match=rf"model\.estimator={name} has none\. Set old_values"):
         PPOController(
             actor=ActorModule(spec(0)),
             critic=None,
             data=ReplayDataModule(),
             config=PPOConfig(old_values="critic"),
-            estimator=GRPO(),
+            estimator=estimator,
         )
 
 
