@@ -98,6 +98,10 @@ def main(temp_dir: str, root: str) -> None:
             hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed
         )
 
+    # Cluster.add_node writes the address file into Ray's default temp dir (/tmp/ray unless
+    # RAY_TMPDIR is set) and fails where that dir does not exist yet; keep it in the test's.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     c = cluster(temp_dir)
     address = c.address
     try:
