@@ -214,8 +214,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         for name, step in variants.items():
             seconds, peak, norm = measure(step, args.repeats)
             rows.append(
-                {"role": role, "variant": name, "params": params, "tokens_per_s": tokens / seconds,
-                 "peak_gib": peak, "seconds": seconds, "grad_norm": norm}
+                {
+                    "role": role,
+                    "variant": name,
+                    "params": params,
+                    "tokens_per_s": tokens / seconds,
+                    "peak_gib": peak,
+                    "seconds": seconds,
+                    "grad_norm": norm,
+                }
             )
         del module, batches
         torch.cuda.empty_cache()

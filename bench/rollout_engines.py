@@ -189,8 +189,10 @@ def report(args: argparse.Namespace) -> None:
         for engine in ("hf", "vllm"):
             it[engine, model] = run_worker("iteration", engine, model, args)
     print(f"\nthreads {args.threads}, {args.prompts} prompts x 4 samples\n")
-    print(f"| generate, ≤ {args.new_tokens} new tokens | HF tok/s | vLLM tok/s | vLLM / HF |"
-          " HF s | vLLM s | vLLM setup s |")
+    print(
+        f"| generate, ≤ {args.new_tokens} new tokens | HF tok/s | vLLM tok/s | vLLM / HF |"
+        " HF s | vLLM s | vLLM setup s |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model in args.models:
         h, v = gen["hf", model], gen["vllm", model]

@@ -23,6 +23,7 @@ def _transfer_queue_session():
 
     _tq.shutdown()
 
+
 def _vllm_available() -> bool:
     import importlib.util
 

@@ -40,9 +40,7 @@ def fit(tmp_path: Path, off_policy: OffPolicyCorrection, iterations: int = 2):
         num_threads=1,
     )
     results = Results()
-    trainer = PPOTrainer(
-        max_epochs=iterations, default_root_dir=str(tmp_path), callbacks=[results]
-    )
+    trainer = PPOTrainer(max_epochs=iterations, default_root_dir=str(tmp_path), callbacks=[results])
     trainer.fit(model, datamodule=ReplayDataModule(max_tokens_per_chunk=24))
     return results.results, trainer
 

@@ -68,9 +68,9 @@ def test_behaviour_equal_to_old_gives_weight_exactly_one(mode):
 def test_weight_carries_no_gradient():
     g = torch.Generator().manual_seed(1)
     logp = (-torch.rand(3, 5, generator=g, dtype=torch.float64)).requires_grad_()
-    old = (logp.detach() + 0.3 * torch.randn(3, 5, generator=g, dtype=torch.float64))
+    old = logp.detach() + 0.3 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     old.requires_grad_()
-    behaviour = (old.detach() + 0.5 * torch.randn(3, 5, generator=g, dtype=torch.float64))
+    behaviour = old.detach() + 0.5 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     behaviour.requires_grad_()
     adv = torch.randn(3, 5, generator=g, dtype=torch.float64)
     iw = importance_weights(old, behaviour, OffPolicyCorrection("truncate", cap=1.5))

@@ -31,8 +31,9 @@ LOGITS_RTOL = {"float32": 2e-5, "float64": 2e-6}
 
 def chunk_of(ids: torch.Tensor) -> Chunk:
     mask = torch.ones_like(ids, dtype=torch.bool)
-    return Chunk(row_ids=tuple(range(len(ids))), input_ids=ids, attention_mask=mask,
-                 response_mask=mask)
+    return Chunk(
+        row_ids=tuple(range(len(ids))), input_ids=ids, attention_mask=mask, response_mask=mask
+    )
 
 
 def assert_logits_close(got, want, dtype):
@@ -57,9 +58,17 @@ def test_checkpoint_with_grouped_query_attention_converts_both_ways(tmp_path, dt
     """A saved HF checkpoint (GQA: 4 query heads, 2 key/value heads) loads into megatron with
     equal logits, and exports back to the same tensors, bit for bit."""
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=5000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=5000.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(3)
     transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(tmp_path)

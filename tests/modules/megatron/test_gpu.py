@@ -27,9 +27,30 @@ def bench():
     return module
 
 
-SMALL = ["--hidden", "256", "--layers", "2", "--heads", "4", "--ffn", "512", "--vocab", "1024",
-         "--rows", "16", "--min-len", "32", "--max-len", "64", "--chunk-tokens", "256",
-         "--micro-batch", "4", "--repeats", "1"]
+SMALL = [
+    "--hidden",
+    "256",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--ffn",
+    "512",
+    "--vocab",
+    "1024",
+    "--rows",
+    "16",
+    "--min-len",
+    "32",
+    "--max-len",
+    "64",
+    "--chunk-tokens",
+    "256",
+    "--micro-batch",
+    "4",
+    "--repeats",
+    "1",
+]
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
@@ -60,7 +81,18 @@ def test_bench_runs_every_variant():
 def test_megatron_config_fits_on_the_gpu(tmp_path):
     from lppo.cli import run
 
-    run(["fit", "--config", str(ROOT / "configs" / "megatron.yaml"), "--trainer.max_epochs", "2",
-         "--trainer.accelerator", "gpu", "--trainer.default_root_dir", str(tmp_path)])
+    run(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "megatron.yaml"),
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.accelerator",
+            "gpu",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 2

@@ -236,9 +236,8 @@ def test_policy_is_a_hugging_face_llama_refreshed_after_steps():
     for name, tensor in again.state_dict().items():
         assert torch.equal(tensor, exported[name]), name
     assert not torch.equal(
-        again.state_dict()["model.embed_tokens.weight"], hf.model.state_dict()[
-            "model.embed_tokens.weight"
-        ]
+        again.state_dict()["model.embed_tokens.weight"],
+        hf.model.state_dict()["model.embed_tokens.weight"],
     )
 
 

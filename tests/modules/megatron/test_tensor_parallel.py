@@ -25,11 +25,22 @@ def launch(world_size: int, tmp_path: Path, layout: str = "tp") -> dict:
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, str(WORKER), f"--world-size={world_size}",
-           f"--init-file={init_file}", f"--out={out}", f"--layout={layout}"]
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        f"--world-size={world_size}",
+        f"--init-file={init_file}",
+        f"--out={out}",
+        f"--layout={layout}",
+    ]
     procs = [
-        subprocess.Popen([*cmd, f"--rank={r}"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*cmd, f"--rank={r}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(world_size)
     ]
     errors = []
@@ -93,6 +104,8 @@ def test_megatron_data_parallel_two_equals_one(one_process, tmp_path):
     """megatron's grad buffers summed once per step over 2 ranks, each with its own chunks."""
     two = launch(2, tmp_path, "dp")
     for role in ("actor", "critic"):
-        assert all(s["chunks_trained"] < o["chunks_trained"] for s, o in
-                   zip(two[role]["stats"], one_process[role]["stats"], strict=True))
+        assert all(
+            s["chunks_trained"] < o["chunks_trained"]
+            for s, o in zip(two[role]["stats"], one_process[role]["stats"], strict=True)
+        )
     assert_same_run(one_process, two)

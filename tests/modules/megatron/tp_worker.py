@@ -64,9 +64,7 @@ def run(world_size: int, rank: int, layout: str) -> dict:
                 module.train_chunk(c)
             stats.append(dataclasses.asdict(module.finish()))
         gpt = module.ddp.module
-        weights = {
-            n: unshard(n, tensor.all_gather(p.detach())) for n, p in gpt.named_parameters()
-        }
+        weights = {n: unshard(n, tensor.all_gather(p.detach())) for n, p in gpt.named_parameters()}
         policy = module.policy().state_dict() if role == "actor" else None
         out[role] = {"scores": scores, "stats": stats, "weights": weights, "policy": policy}
     return out
@@ -82,7 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{args.init_file}", rank=args.rank,
+        "gloo",
+        init_method=f"file://{args.init_file}",
+        rank=args.rank,
         world_size=args.world_size,
     )
     _megatron_cpu.install()
