@@ -14,7 +14,9 @@ each variant in its own fresh process, alternating which goes first, and prints 
 report (medians over the timed iterations; the first iteration of each process is a warm-up).
 All variants of a setting run at once but take turns, iteration by iteration, in an order
 reversed every round (``_turns``): only one is ever timed, and a slow minute on a shared
-machine lands on every variant alike.
+machine lands on every variant alike. ``--schedule alone`` instead runs each variant's process
+by itself, one after another (use ``--rounds`` to alternate the order): nothing else is
+resident while a variant runs, at the price of drift between processes.
 
 Work, identical on both sides: ``N`` prompts per iteration, one sample each, exactly 64 new
 tokens (TRL: no stop token; lppo: ``rollout.ignore_eos``), temperature 1, a frozen reference
@@ -125,6 +127,18 @@ def run_paired(cmds: dict[str, list[str]], timeout: float) -> dict[str, dict]:
     return results
 
 
+def run_schedule(cmds: dict[str, list[str]], args: argparse.Namespace) -> dict[str, dict]:
+    """Each command's JSON line under ``args.schedule``.
+
+    ``turns``: all at once, taking turns iteration by iteration (:func:`run_paired`).
+    ``alone``: one process at a time, in ``cmds``' order; no other variant's process is
+    resident while one runs.
+    """
+    if args.schedule == "turns":
+        return run_paired(cmds, args.timeout)
+    return {name: run_paired({name: cmd}, args.timeout)[name] for name, cmd in cmds.items()}
+
+
 def command(variant: str, args: argparse.Namespace, trl_python: str, setup: str, n: int) -> list:
     iters = str(args.iterations)
     common = [args.root, setup, str(n)]
@@ -207,6 +221,14 @@ def main() -> None:
     p.add_argument("--root", default="/tmp/lppo-trl-bench")
     p.add_argument("--trl-venv", default=os.path.join(REPO, ".venv-trl"))
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument(
+        "--schedule",
+        choices=["turns", "alone"],
+        default="turns",
+        help="turns: a setting's variants run at once, taking turns per iteration; "
+        "alone: each variant's process runs by itself, one after another "
+        "(order reversed every round)",
+    )
     args = p.parse_args()
     trl_python = ensure_trl_venv(args.trl_venv) if "trl" in args.variants else ""
     settings = [
@@ -222,7 +244,7 @@ def main() -> None:
             t0 = time.time()
             order = args.variants if r % 2 == 0 else args.variants[::-1]
             cmds = {v: command(v, args, trl_python, setup, n) for v in order}
-            for variant, raw in run_paired(cmds, args.timeout).items():
+            for variant, raw in run_schedule(cmds, args).items():
                 out = summarize(raw)
                 results.setdefault((setup, n), {}).setdefault(variant, []).append(out)
                 print(
