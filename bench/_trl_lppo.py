@@ -1,11 +1,14 @@
 """One lppo run of the TRL side-by-side benchmark (runs in the lppo venv).
 
 Usage: ``python _trl_lppo.py ROOT SETUP N ITERATIONS THREADS [KEY=VALUE ...]`` where the
-optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs``
-(``recompute`` / ``rollout``), ``old_values`` (``score`` / ``critic``), ``gen_batch`` (engine
-batch size, 0 = all rows) and ``sort_by_length`` (``1``: length-sorted generation batches),
-``prefill_tokens`` (the engine's prefill piece budget), ``gen_cache`` (``dynamic`` /
-``static``) and ``profile`` (a path: cProfile of the timed iterations is dumped there).
+optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs`` (``recompute``
+/ ``rollout``), ``old_values`` (``score`` / ``critic``), ``gen_batch`` (engine batch size, 0 =
+all rows) and ``sort_by_length`` (``1``: length-sorted generation batches), ``prefill_tokens``
+(the engine's prefill piece budget), ``gen_cache`` (``dynamic`` / ``static``), ``trim_prompt``
+(``1``: actor, reference, critic and reward model run their last block only from the first
+response position on, :mod:`lppo.tail`), ``ranks`` (data-parallel processes, ``PPODDPStrategy``
+over gloo, each with ``THREADS / ranks`` intra-op threads; default 1) and ``profile`` (a path:
+cProfile of the timed iterations is dumped there).
 
 The run is a real ``lppo.PPOTrainer.fit`` of a :class:`~lppo.PPOSystem` built on the
 benchmark's files (policy, critic backbone, reward model, tokenizer, prompts); the task serves
@@ -13,7 +16,9 @@ the same prompts every iteration and rewards 0, so the reward is the reward mode
 in TRL. Prints one JSON line with per-iteration seconds per phase (``IterationResult.seconds``:
 generation = ``rollout``; scoring = ``collect`` + ``score`` + ``advantages``; training =
 ``critic`` + ``actor``; total = the trainer epoch, start to end), the plan's padding fraction
-and the process's peak RSS.
+and the peak RSS summed over the ranks. With ``ranks > 1`` only rank 0 takes the driver's
+turns; every rank waits for it at a barrier at the start and end of each iteration, so no rank
+computes outside the turn.
 """
 
 from __future__ import annotations
@@ -88,9 +93,14 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
         ppo["old_logprobs"] = opts["old_logprobs"]
     if opts.get("old_values", "score") != "score":
         ppo["old_values"] = opts["old_values"]
+    trim = {"trim_prompt": True} if opts.get("trim_prompt", "0") == "1" else {}
     return PPOSystem(
-        actor=ActorModule(HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5),
-        critic=CriticModule(HFCausalLM(pretrained_path=os.path.join(root, "critic")), lr=1e-5),
+        actor=ActorModule(
+            HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5, **trim
+        ),
+        critic=CriticModule(
+            HFCausalLM(pretrained_path=os.path.join(root, "critic")), lr=1e-5, **trim
+        ),
         task=build_task(prompts),
         engine=HFGenerateEngine(
             batch_size=gen_batch,
@@ -103,6 +113,7 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
             HFCausalLM(pretrained_path=os.path.join(root, "reward")),
             task_weight=0.0,
             normalize=False,
+            **trim,
         ),
         rollout=RolloutSettings(**settings),
         ppo=PPOConfig(**ppo),
@@ -115,9 +126,18 @@ def main() -> None:
     root, setup, n, iterations, threads = sys.argv[1:6]
     opts = dict(a.split("=", 1) for a in sys.argv[6:])
     n, iterations, threads = int(n), int(iterations), int(threads)
+    ranks = int(opts.get("ranks", "1"))
+    if threads % ranks:
+        raise SystemExit(f"threads={threads} is not a multiple of ranks={ranks}")
+    # Lightning's DDP launcher re-runs this script per rank; only the driver's child (rank 0)
+    # holds the turn pipe, so the other ranks must not touch it.
+    leader = os.environ.get("LOCAL_RANK", "0") == "0"
+    if not leader:
+        os.environ.pop("LPPO_BENCH_TURN_FD", None)
+    os.environ["OMP_NUM_THREADS"] = str(threads // ranks)
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads // ranks)
     from lightning.pytorch.callbacks import Callback
 
     from lppo import PPOTrainer
@@ -129,7 +149,9 @@ def main() -> None:
 
     class Record(PPOCallback):
         def on_train_epoch_start(self, trainer, pl_module) -> None:
-            _turns.begin()
+            if leader:
+                _turns.begin()
+            trainer.strategy.barrier()  # every rank starts inside rank 0's turn
             self.start = time.perf_counter()
 
         def on_iteration_end(self, ctx, result) -> None:
@@ -142,8 +164,10 @@ def main() -> None:
             padding.append(dict(getattr(result, "padding", {})))
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
+            trainer.strategy.barrier()  # every rank has finished before the turn ends
             rows.append({**self.row, "total": time.perf_counter() - self.start})
-            _turns.next_turn()
+            if leader:
+                _turns.next_turn()
 
     class Profile(Callback):
         def __init__(self, path: str) -> None:
@@ -171,26 +195,32 @@ def main() -> None:
     if "profile" in opts:
         callbacks.append(Profile(opts["profile"]))
     out = tempfile.mkdtemp(prefix="lppo-bench-")
+    parallel = {"devices": 1}
+    if ranks > 1:
+        from lppo.strategy import PPODDPStrategy
+
+        parallel = {"devices": ranks, "strategy": PPODDPStrategy()}
     trainer = PPOTrainer(
         max_epochs=iterations,
         accelerator="cpu",
-        devices=1,
+        **parallel,
         default_root_dir=out,
         logger=False,
         enable_checkpointing=False,
         callbacks=callbacks,
     )
     trainer.fit(system, datamodule=data)
-    print(
-        json.dumps(
-            {
-                "side": "lppo",
-                "iterations": rows,
-                "padding_fraction": padding,
-                "peak_rss_mb": peak_rss_mb(),
-            }
-        )
-    )
+    peaks = trainer.strategy.all_gather(torch.tensor(peak_rss_mb(), dtype=torch.float64))
+    if not leader:
+        return
+    result = {
+        "side": "lppo",
+        "iterations": rows,
+        "padding_fraction": padding,
+        "peak_rss_mb": float(peaks.sum()),
+        "ranks": ranks,
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

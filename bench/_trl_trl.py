@@ -1,17 +1,26 @@
 """One TRL 1.12.0 ``PPOTrainer`` run of the side-by-side benchmark (runs in the TRL venv).
 
-Usage: ``python _trl_trl.py ROOT SETUP N ITERATIONS THREADS`` (ROOT from ``_trl_assets``).
-Prints one JSON line: per-iteration seconds of generation / scoring / training / total and the
-process's peak RSS. Phases are timed by wrapping the module-level ``batch_generation`` and
-``forward`` functions TRL's training loop calls (generation ends when ``batch_generation``
-returns; training starts at the first forward with gradients; an iteration ends at
-``on_step_end``); nothing of TRL's own computation is changed.
+Usage: ``python _trl_trl.py ROOT SETUP N ITERATIONS THREADS [RANKS]`` (ROOT from
+``_trl_assets``). Prints one JSON line: per-iteration seconds of generation / scoring /
+training / total and the peak RSS summed over the ranks. ``RANKS > 1``: this process becomes
+rank 0 of that many data-parallel gloo processes of ``THREADS / RANKS`` threads each
+(accelerate's ``MULTI_CPU``, started as ``torchrun`` would: ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_*``), each generating, scoring and training ``N / RANKS`` rows per iteration with the
+gradients all-reduced (TRL's DDP wrap); ``gradient_accumulation_steps`` shrinks so one
+minibatch is still all N rows. Only rank 0 takes the driver's turns; the ranks meet at a
+barrier when a turn starts and before it ends, so no rank computes outside it. Phases are timed
+by wrapping the module-level ``batch_generation`` and ``forward`` functions TRL's training loop
+calls (generation ends when ``batch_generation`` returns; training starts at the first forward
+with gradients; an iteration ends at ``on_step_end``); nothing of TRL's own computation is
+changed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,12 +31,49 @@ import _turns
 from _trl_assets import load_prompts, peak_rss_mb
 
 
+def launch_ranks(ranks: int, threads: int) -> list[subprocess.Popen]:
+    """Make this process rank 0 of ``ranks`` and start the others (``torchrun``'s variables)."""
+    if ranks == 1 or "RANK" in os.environ:
+        return []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": str(threads // ranks),
+    }
+    os.environ.update(common, RANK="0", LOCAL_RANK="0")
+    env = {k: v for k, v in os.environ.items() if k != "LPPO_BENCH_TURN_FD"}
+    return [
+        subprocess.Popen(
+            [sys.executable, *sys.argv],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        for r in range(1, ranks)
+    ]
+
+
 def main() -> None:
     root, setup, n, iterations, threads = sys.argv[1:6]
     n, iterations, threads = int(n), int(iterations), int(threads)
+    ranks = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    if threads % ranks or n % (8 * ranks):
+        raise SystemExit(f"threads={threads} and N={n} must be multiples of ranks={ranks} (N: 8x)")
+    others = launch_ranks(ranks, threads)
+    leader = os.environ.get("RANK", "0") == "0"
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads // ranks)
+
+    def sync() -> None:
+        if ranks > 1:
+            torch.distributed.barrier()
+
     import transformers
     from datasets import Dataset
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -39,7 +85,9 @@ def main() -> None:
     generate = mod.batch_generation
 
     def timed_generation(*args, **kwargs):
-        _turns.begin()  # an iteration starts with its generation
+        if leader:
+            _turns.begin()  # an iteration starts with its generation
+        sync()
         current["start"] = current["gen_start"] = time.perf_counter()
         out = generate(*args, **kwargs)
         current["gen_end"] = time.perf_counter()
@@ -57,9 +105,11 @@ def main() -> None:
 
     class Marks(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            sync()
             marks.append({**current, "end": time.perf_counter()})
             current.clear()
-            _turns.next_turn()
+            if leader:
+                _turns.next_turn()
 
     tok = transformers.AutoTokenizer.from_pretrained(os.path.join(root, "tokenizer"))
     tok.padding_side = "left"
@@ -74,7 +124,7 @@ def main() -> None:
     config = PPOConfig(
         output_dir=out,
         per_device_train_batch_size=8,
-        gradient_accumulation_steps=n // 8,
+        gradient_accumulation_steps=n // 8 // ranks,
         num_mini_batches=1,
         num_ppo_epochs=2,
         total_episodes=n * iterations,
@@ -105,6 +155,9 @@ def main() -> None:
         eval_dataset=dataset.select(range(8)),
         callbacks=[Marks()],
     )
+    if trainer.accelerator.num_processes != ranks:
+        got = trainer.accelerator.num_processes
+        raise SystemExit(f"accelerate runs {got} processes, not {ranks}")
     trainer.train()
     rows = []
     for m in marks:
@@ -117,7 +170,15 @@ def main() -> None:
                 "total": m["end"] - m["start"],
             }
         )
-    print(json.dumps({"side": "trl", "iterations": rows, "peak_rss_mb": peak_rss_mb()}))
+    peak = torch.tensor([peak_rss_mb()], dtype=torch.float64)
+    if ranks > 1:
+        torch.distributed.all_reduce(peak)
+    for proc in others:
+        if proc.wait() != 0:
+            raise SystemExit(f"rank {others.index(proc) + 1} exited with {proc.returncode}")
+    if leader:
+        result = {"side": "trl", "iterations": rows, "peak_rss_mb": float(peak), "ranks": ranks}
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -25,9 +25,12 @@ rows (TRL ``per_device_train_batch_size=8``; lppo's chunk budget 640 tokens = 8 
 ``--threads`` intra-op threads. Setups: ``equal`` (every prompt 16 tokens) and ``variable``
 (8–128 tokens; TRL left-pads each batch, lppo packs).
 
-Variants: ``trl``; ``lppo`` (``--lppo`` settings, the tuned ones); ``lppo-default`` (lppo's
-defaults: old log-probs recomputed, score chunks = training chunks); ``floor`` (a plain
-PyTorch loop over lppo's training chunks, ``_trl_floor``).
+Variants: ``trl``; ``trl-dp`` (TRL on ``--threads`` data-parallel processes of one thread each:
+accelerate's gloo DDP, the same rows per iteration); ``lppo`` (``--lppo`` settings, the tuned
+ones); ``lppo-dp`` (the same settings on ``--threads`` data-parallel processes of one thread
+each, ``PPODDPStrategy`` over gloo: the same cores, the same rows per iteration);
+``lppo-default`` (lppo's defaults: old log-probs recomputed, score chunks = training chunks);
+``floor`` (a plain PyTorch loop over lppo's training chunks, ``_trl_floor``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,12 @@ TUNED = [
     "sort_by_length=1",
     "prefill_tokens=2048",
     "gen_cache=static",
+    "trim_prompt=1",
 ]
+
+
+#: The TRL variants; a setting's ratios are against the faster of those it ran.
+TRL_VARIANTS = ("trl", "trl-dp")
 
 
 def ensure_trl_venv(path: str) -> str:
@@ -142,12 +150,16 @@ def run_schedule(cmds: dict[str, list[str]], args: argparse.Namespace) -> dict[s
 def command(variant: str, args: argparse.Namespace, trl_python: str, setup: str, n: int) -> list:
     iters = str(args.iterations)
     common = [args.root, setup, str(n)]
-    if variant == "trl":
-        return [trl_python, os.path.join(HERE, "_trl_trl.py"), *common, iters, str(args.threads)]
+    if variant in TRL_VARIANTS:
+        ranks = str(args.threads if variant == "trl-dp" else 1)
+        script = os.path.join(HERE, "_trl_trl.py")
+        return [trl_python, script, *common, iters, str(args.threads), ranks]
     if variant == "floor":
         script = os.path.join(HERE, "_trl_floor.py")
         return [sys.executable, script, *common, "2", str(args.threads), str(args.chunk_tokens)]
-    opts = [f"chunk_tokens={args.chunk_tokens}"] + (args.lppo if variant == "lppo" else [])
+    opts = [f"chunk_tokens={args.chunk_tokens}"]
+    opts += args.lppo if variant in ("lppo", "lppo-dp") else []
+    opts += [f"ranks={args.threads}"] if variant == "lppo-dp" else []
     script = os.path.join(HERE, "_trl_lppo.py")
     return [sys.executable, script, *common, iters, str(args.threads), *opts]
 
@@ -171,35 +183,39 @@ def trl_padding(root: str, setup: str, n: int) -> float:
     return 1.0 - sum(len(p) + 64 for p in prompts) / (width * len(prompts))
 
 
+def medians(runs: list[dict]) -> dict[str, float]:
+    """Per-key medians over a variant's runs (``padding`` left out)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "padding"}
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
+    """The markdown table; ratios are against the faster TRL variant of the setting."""
     lines = [
         "| setup | prompts | variant | generation s | scoring s | training s | iteration s "
         "| × TRL (iteration) | × TRL gen / score / train | padding | peak RSS MB |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for (setup, n), variants in results.items():
-        trl = variants.get("trl")
+        trls = [medians(variants[v]) for v in TRL_VARIANTS if v in variants]
+        base = min(trls, key=lambda t: t["total"]) if trls else None
         for name, runs in variants.items():
-            s = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "padding"}
+            s = medians(runs)
             pad = ""
-            if name == "trl":
+            if name in TRL_VARIANTS:
                 pad = f"{trl_padding(args.root, setup, n):.1%}"
             elif runs[0].get("padding"):
                 pad = f"{runs[0]['padding'].get('actor', 0.0):.1%}"
-            gen = s.get("generation")
             cells = [f"{s[k]:.2f}" if k in s else "" for k in ("generation", "scoring")]
             cells += [f"{s['training']:.2f}", f"{s['total']:.2f}" if "total" in s else ""]
             ratio, phases = "", ""
-            if trl and name != "trl":
-                t = {k: statistics.median(r[k] for r in trl) for k in trl[0] if k != "padding"}
+            if base and s is not base and (name not in TRL_VARIANTS or len(trls) > 1):
                 if "total" in s:
-                    ratio = f"**{s['total'] / t['total']:.2f}**"
+                    ratio = f"**{s['total'] / base['total']:.2f}**"
                     phases = " / ".join(
-                        f"{s[k] / t[k]:.2f}" for k in ("generation", "scoring", "training")
+                        f"{s[k] / base[k]:.2f}" for k in ("generation", "scoring", "training")
                     )
                 else:
-                    phases = f"– / – / {s['training'] / t['training']:.2f}"
-            del gen
+                    phases = f"– / – / {s['training'] / base['training']:.2f}"
             lines.append(
                 f"| {setup} | {n} | {name} | {' | '.join(cells)} | {ratio} | {phases} | {pad} "
                 f"| {statistics.median(r['peak_rss_mb'] for r in runs):.0f} |"
@@ -230,7 +246,8 @@ def main() -> None:
         "(order reversed every round)",
     )
     args = p.parse_args()
-    trl_python = ensure_trl_venv(args.trl_venv) if "trl" in args.variants else ""
+    uses_trl = set(TRL_VARIANTS) & set(args.variants)
+    trl_python = ensure_trl_venv(args.trl_venv) if uses_trl else ""
     settings = [
         (s, n)
         for s in args.setups

@@ -11,6 +11,7 @@ from lppo.algorithms.losses import entropy_from_logprobs, policy_loss
 from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.stats import SumStats
+from lppo.tail import check_trimmable, response_start, trimmed
 from lppo.types import Chunk
 from lppo.validation import check_number
 
@@ -59,6 +60,10 @@ class ActorModule(PPOModule):
             importance sampling against the engine's sampling log-probabilities; see
             :mod:`lppo.algorithms.off_policy`); its bounds are also those of the
             ``rollout/mismatch_outside_fraction`` metric.
+        trim_prompt: run the model's last block and LM head only from the position before
+            the chunk's first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2
+            models): the same log-probabilities to round-off, less work per chunk. Also used
+            by the reference, a copy of the actor.
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
             ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
             ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
@@ -74,6 +79,7 @@ class ActorModule(PPOModule):
         dual_clip: float | None = None,
         entropy_coef: float = 0.0,
         off_policy: OffPolicyCorrection = OffPolicyCorrection(),
+        trim_prompt: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -103,6 +109,7 @@ class ActorModule(PPOModule):
         self.dual_clip = dual_clip
         self.entropy_coef = entropy_coef
         self.off_policy = off_policy
+        self.trim_prompt = trim_prompt
         self.temperature = 1.0
         self.spec: HFCausalLM | None = None
         self.model: nn.Module | None = None
@@ -123,13 +130,19 @@ class ActorModule(PPOModule):
             if self.spec is None or vocab_size is None:
                 raise RuntimeError("actor model spec needs the vocabulary to be built.")
             self.model = self.spec.build(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+        if self.trim_prompt:
+            check_trimmable(self.model.base_model, f"{self.config_key}.trim_prompt")
 
     # ---------------------------------------------------------------- forward
-    def logits(self, chunk: Chunk) -> torch.Tensor:
-        """Temperature-scaled logits ``float[B, T, V]`` of the chunk."""
+    def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:
+        """Temperature-scaled logits ``float[B, T - start, V]`` of positions ``start …``.
+
+        ``start > 0`` (only with ``trim_prompt``) runs the trimmed forward of :mod:`lppo.tail`.
+        """
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
-        out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
+        with trimmed(self.model.base_model, start):
+            out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
         # x / 1.0 == x exactly: skip a pass over [B, T, V] at the default temperature.
         return out.logits if self.temperature == 1.0 else out.logits / self.temperature
 
@@ -141,12 +154,17 @@ class ActorModule(PPOModule):
         Returns:
             ``(logprobs, entropy)``, both ``float[B, T]`` with 0 at position 0: ``logprobs[t] =
             log p(input_ids[t] | input_ids[:t])`` and ``entropy[t]`` that of the distribution
-            predicting token ``t`` (``None`` unless ``with_entropy``).
+            predicting token ``t`` (``None`` unless ``with_entropy``). With ``trim_prompt``
+            both are 0 before the chunk's first response token too.
         """
-        logprobs, logp = shifted_logprobs(self.logits(chunk), chunk.input_ids)
+        start = response_start(chunk.response_mask) if self.trim_prompt else 0
+        # A subclass's ``logits(chunk)`` without ``start`` keeps working untrimmed.
+        logits = self.logits(chunk, start) if start else self.logits(chunk)
+        logprobs, logp = shifted_logprobs(logits, chunk.input_ids[:, start:])
+        logprobs = torch.nn.functional.pad(logprobs, (start, 0))
         if not with_entropy:
             return logprobs, None
-        return logprobs, torch.nn.functional.pad(entropy_from_logprobs(logp), (1, 0))
+        return logprobs, torch.nn.functional.pad(entropy_from_logprobs(logp), (start + 1, 0))
 
     def policy(self) -> nn.Module:
         """The Hugging Face causal LM holding the current weights, for the rollout engine."""

@@ -10,6 +10,7 @@ from torch import nn
 from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.stats import SumStats
+from lppo.tail import check_trimmable, response_start, trimmed
 from lppo.types import Chunk
 from lppo.validation import check_number
 
@@ -29,6 +30,9 @@ class CriticModule(PPOModule):
         value_clip: ε of the clipped value loss (``None``: unclipped squared error).
         head_init_std: standard deviation of the value head's initial weights.
         head_seed: seed of the value head's initialization.
+        trim_prompt: run the backbone's last block only from the position before the chunk's
+            first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2 backbones):
+            the same values on response tokens to round-off, less work per chunk.
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
             ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
             ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
@@ -42,6 +46,7 @@ class CriticModule(PPOModule):
         value_clip: float | None = 0.2,
         head_init_std: float = 0.02,
         head_seed: int = 0,
+        trim_prompt: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -54,6 +59,7 @@ class CriticModule(PPOModule):
         self.value_clip = value_clip
         self.head_init_std = head_init_std
         self.head_seed = head_seed
+        self.trim_prompt = trim_prompt
         given = isinstance(backbone, nn.Module)
         self.spec: HFCausalLM | None = None if given else backbone  # type: ignore[assignment]
         self.backbone: nn.Module | None = backbone if given else None  # type: ignore[assignment]
@@ -79,6 +85,8 @@ class CriticModule(PPOModule):
             self.backbone = self.spec.build_backbone(
                 vocab_size, pad_token_id, bos_token_id, eos_token_id
             )
+        if self.trim_prompt:
+            check_trimmable(self.backbone.base_model, f"{self.config_key}.trim_prompt")
         if self.value_head is None:
             param = next(self.backbone.parameters())
             head = self.make_value_head(int(self.backbone.config.hidden_size))
@@ -102,16 +110,23 @@ class CriticModule(PPOModule):
         """Value predictions ``float[B, T]`` (0 at position 0), with grad."""
         if self.backbone is None or self.value_head is None:
             raise RuntimeError("critic backbone not built: call configure_model() first.")
-        out = self.backbone(
-            input_ids=chunk.input_ids,
-            attention_mask=chunk.attention_mask.long(),
-            output_hidden_states=True,
-        )
-        hidden = getattr(out, "last_hidden_state", None)
-        if hidden is None:
-            hidden = out.hidden_states[-1]
+        start = response_start(chunk.response_mask) if self.trim_prompt else 0
+        if start:
+            body = self.backbone.base_model
+            with trimmed(body, start):
+                out = body(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
+            hidden = out.last_hidden_state  # positions start … T - 1
+        else:
+            out = self.backbone(
+                input_ids=chunk.input_ids,
+                attention_mask=chunk.attention_mask.long(),
+                output_hidden_states=True,
+            )
+            hidden = getattr(out, "last_hidden_state", None)
+            if hidden is None:
+                hidden = out.hidden_states[-1]
         v = self.value_head(hidden[:, :-1]).squeeze(-1)
-        return torch.nn.functional.pad(v, (1, 0))
+        return torch.nn.functional.pad(v, (start + 1, 0))
 
     @torch.no_grad()
     def score(self, chunk: Chunk) -> torch.Tensor:
