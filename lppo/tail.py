@@ -53,10 +53,13 @@ def check_trimmable(body: nn.Module, key: str) -> None:
     windowed = getattr(config, "sliding_window", None) and getattr(
         config, "use_sliding_window", kind == "mistral"
     )
-    if kind not in TRIMMABLE or not plain or windowed:
+    # The tail reads HF's 4-D mask (sdpa / eager); flash and flex pass other mask types.
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if kind not in TRIMMABLE or not plain or windowed or attention not in ("sdpa", "eager"):
         raise SettingError(
             f"{key}=true needs a {'/'.join(TRIMMABLE)} model without sliding-window attention, "
-            f"got model_type={kind!r}; set {key}=false."
+            f"with attn_implementation sdpa or eager, got model_type={kind!r}, "
+            f"attn_implementation={attention!r}; set {key}=false."
         )
 
 

@@ -130,6 +130,10 @@ def test_unsupported_models_are_rejected_naming_the_key() -> None:
         check_trimmable(gpt2.base_model, "model.actor.init_args.trim_prompt")
     with pytest.raises(SettingError, match="trim_prompt"):
         ActorModule(gpt2, trim_prompt=True).configure_model()
+    flex = llama()
+    flex.config._attn_implementation = "flex_attention"
+    with pytest.raises(SettingError, match="attn_implementation='flex_attention'"):
+        check_trimmable(flex.base_model, "model.critic.init_args.trim_prompt")
 
 
 def fit(root: Path, trim: bool) -> PPOSystem:
