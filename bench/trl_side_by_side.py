@@ -196,10 +196,11 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for (setup, n), variants in results.items():
-        trls = [medians(variants[v]) for v in TRL_VARIANTS if v in variants]
+        meds = {name: medians(runs) for name, runs in variants.items()}
+        trls = [meds[v] for v in TRL_VARIANTS if v in meds]
         base = min(trls, key=lambda t: t["total"]) if trls else None
         for name, runs in variants.items():
-            s = medians(runs)
+            s = meds[name]
             pad = ""
             if name in TRL_VARIANTS:
                 pad = f"{trl_padding(args.root, setup, n):.1%}"
@@ -208,7 +209,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
             cells = [f"{s[k]:.2f}" if k in s else "" for k in ("generation", "scoring")]
             cells += [f"{s['training']:.2f}", f"{s['total']:.2f}" if "total" in s else ""]
             ratio, phases = "", ""
-            if base and s is not base and (name not in TRL_VARIANTS or len(trls) > 1):
+            if base and (name not in TRL_VARIANTS or len(trls) > 1):
                 if "total" in s:
                     ratio = f"**{s['total'] / base['total']:.2f}**"
                     phases = " / ".join(
