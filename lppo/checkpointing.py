@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
-import inspect
 import os
 import pickle
 import zipfile
@@ -22,21 +22,16 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-#: Settings a resumed run may change; each is applied to the restored state.
-APPLICABLE = (
-    "model.actor.init_args.lr",
-    "model.critic.init_args.lr",
-    "model.actor.init_args.rollback_non_finite",
-    "model.critic.init_args.rollback_non_finite",
-    "model.num_threads",
-    "model.ppo.max_consecutive_skipped_steps",
-    "model.ppo.max_skipped_steps",
-    "model.ppo.max_failed_iterations",
-    "model.ppo.transactional",
-    "model.engine.init_args.batch_size",
-)
-#: Init arguments whose attribute of the same name holds runtime state (an optimizer object).
-RUNTIME_NAMES = ("optimizer", "lr_scheduler")
+from lppo.init_args import Record, check_resume_safe, class_path, record
+
+#: The system's components, each recorded under ``model.<name>`` with its class and settings.
+COMPONENTS = ("actor", "critic", "task", "engine", "estimator", "reward_model")
+#: The system's dataclass groups of settings, recorded as ``model.<group>.<field>``.
+GROUPS = ("rollout", "ppo")
+#: The datamodule's settings that shape training, recorded as ``data.<name>``.
+DATA_SETTINGS = ("max_tokens_per_chunk", "drop_budget", "fixed_rows_per_rank", "shuffle", "seed")
+#: Entry of the recorded settings listing the keys a resumed run may change (not a setting).
+RESUME_SAFE = "<resume_safe>"
 TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 
@@ -101,55 +96,69 @@ def check_checkpoint(path: str) -> dict[str, Any]:
     return checkpoint
 
 
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, bool | int | float | str)
-
-
-def object_settings(obj: Any, key: str) -> dict[str, Any]:
-    """``{key.init_args.name: value}`` for ``obj``'s plain init arguments (and its class)."""
-    out: dict[str, Any] = {f"{key}.class_path": f"{type(obj).__module__}.{type(obj).__qualname__}"}
-    names: list[str] = []
-    for klass in type(obj).__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is not None and hasattr(init, "__code__"):
-            names += [n for n in inspect.signature(init).parameters if n != "self"]
-    for name in dict.fromkeys(names):
-        if name in RUNTIME_NAMES:
-            continue
-        value = getattr(obj, name, None)
-        if isinstance(value, tuple | list) and all(_plain(v) for v in value):
-            value = list(value)
-        elif not _plain(value):
-            spec = getattr(obj, "spec", None) if name in ("model", "backbone") else None
-            if spec is not None:
-                out.update(object_settings(spec, f"{key}.init_args.{name}"))
-            continue
-        out[f"{key}.init_args.{name}"] = value
-    return out
-
-
 def run_settings(system: Any, data: Any) -> dict[str, Any]:
-    """The settings of a run that shape its training, flat, as ``lppo fit`` keys."""
+    """The settings of a run that shape its training, flat, as ``lppo fit`` keys.
+
+    Each component's settings are its recorded init arguments (:mod:`lppo.init_args`); the
+    system's own are its plain init arguments (``model.seed``, ``model.num_threads``, ...).
+    Under :data:`RESUME_SAFE` the result lists the keys the objects declare ``resume_safe``.
+    """
     out: dict[str, Any] = {}
-    for name in ("actor", "critic", "task", "engine", "estimator", "reward_model"):
+    safe: set[str] = set()
+    for name in COMPONENTS:
         obj = getattr(system, name, None)
         if obj is not None:
-            out.update(object_settings(obj, f"model.{name}"))
-    for group in ("rollout", "ppo"):
-        for field, value in vars(getattr(system, group)).items():
-            out[f"model.{group}.{field}"] = value
-    out["model.seed"] = system.seed
-    out["model.num_threads"] = system.num_threads
-    for name in ("max_tokens_per_chunk", "drop_budget", "fixed_rows_per_rank", "shuffle", "seed"):
+            _flatten(record(obj), f"model.{name}", out, safe)
+    for group in GROUPS:
+        obj = getattr(system, group)
+        settings = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+        _add(Record(class_path(type(obj)), settings, _declared(obj)), "model", group, out, safe)
+    own = record(system)  # the system's plain init arguments, its components recorded above
+    settings = {k: v for k, v in own.settings.items() if k not in COMPONENTS + GROUPS}
+    _add(dataclasses.replace(own, settings=settings), "", "model", out, safe)
+    for name in DATA_SETTINGS:
         out[f"data.{name}"] = getattr(data, name, None)
+    out[RESUME_SAFE] = sorted(safe)
     return out
+
+
+def _declared(obj: Any) -> tuple[str, ...]:
+    return tuple(getattr(type(obj), "resume_safe", ()))
+
+
+def _flatten(rec: Record, key: str, out: dict[str, Any], safe: set[str]) -> None:
+    """Add ``key.class_path`` and ``key.init_args.<setting>`` (nested records recursively)."""
+    out[f"{key}.class_path"] = rec.class_path
+    _add(rec, key, "init_args", out, safe)
+
+
+def _add(rec: Record, key: str, part: str, out: dict[str, Any], safe: set[str]) -> None:
+    check_resume_safe(rec)
+    prefix = f"{key}.{part}" if key else part
+    for name, value in rec.settings.items():
+        if isinstance(value, Record):
+            _flatten(value, f"{prefix}.{name}", out, safe)
+        else:
+            out[f"{prefix}.{name}"] = value
+    safe.update(f"{prefix}.{name}" for name in rec.resume_safe)
 
 
 def settings_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """Split the differences into ``(applicable, refused)`` lines ``key: old -> new``."""
+    """Split the differences into ``(applicable, refused)`` lines ``key: old -> new``.
+
+    A difference is applicable when ``current`` lists its key under :data:`RESUME_SAFE` (what
+    the components of the resuming run declare), refused otherwise; a key recorded on one
+    side only is a difference (``<absent>``).
+    """
+    safe = set(current.get(RESUME_SAFE, ()))
+    # A checkpoint from before settings were recorded from init arguments has no RESUME_SAFE
+    # entry: it is compared on the keys it recorded, where *args / **kwargs appeared as None.
+    legacy = RESUME_SAFE not in saved
     applicable, refused = [], []
-    for key in sorted(set(saved) | set(current)):
+    for key in sorted((set(saved) | set(current)) - {RESUME_SAFE}):
+        if legacy and (key not in saved or (key not in current and saved[key] is None)):
+            continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if old != new and not (isinstance(old, list) and list(old) == new):
-            (applicable if key in APPLICABLE else refused).append(f"{key}: {old!r} -> {new!r}")
+            (applicable if key in safe else refused).append(f"{key}: {old!r} -> {new!r}")
     return applicable, refused

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lppo.algorithms.kl import KLKind
 from lppo.validation import SettingError, check_number
@@ -56,6 +56,14 @@ class PPOConfig:
             is valued), ``disable_dropout: true`` and an estimator with per-row targets
             (``GAE``).
     """
+
+    #: Settings a resumed run may change (budgets and the failure policy, read afresh).
+    resume_safe: ClassVar[tuple[str, ...]] = (
+        "max_consecutive_skipped_steps",
+        "max_skipped_steps",
+        "max_failed_iterations",
+        "transactional",
+    )
 
     kl_coef: float = 0.0
     kl_kind: KLKind = "k1"

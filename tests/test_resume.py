@@ -24,11 +24,22 @@ def spec(seed: int, hidden: int = 32) -> HFCausalLM:
     )
 
 
-def fit(root, iterations, ckpt_path=None, callbacks=(), critic_warmup=0, lr=3e-3, hidden=32, **ppo):
+def fit(
+    root,
+    iterations,
+    ckpt_path=None,
+    callbacks=(),
+    critic_warmup=0,
+    lr=3e-3,
+    hidden=32,
+    engine=None,
+    **ppo,
+):
     system = PPOSystem(
         actor=ActorModule(spec(0, hidden), lr=lr),
         critic=CriticModule(spec(1), lr=3e-3),
         task=CopyTask(),
+        engine=engine,
         rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens=4),
         ppo=PPOConfig(
             critic_epochs=2,

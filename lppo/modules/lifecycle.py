@@ -12,11 +12,13 @@ import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from lppo.algorithms.losses import LossAggregation, token_weights
+from lppo.init_args import RecordsInitArgs
 from lppo.modules.snapshot import TrainingState, parameters_finite
 from lppo.parallel import ParallelContext
 from lppo.stats import SumStats
@@ -52,7 +54,7 @@ class ChunkResult:
     tokens: int
 
 
-class PPOModule(nn.Module):
+class PPOModule(RecordsInitArgs, nn.Module):
     """Base of :class:`~lppo.modules.ActorModule` and :class:`~lppo.modules.CriticModule`.
 
     Subclasses implement :meth:`chunk_loss` (per-token loss plus diagnostic sums) and
@@ -86,6 +88,8 @@ class PPOModule(nn.Module):
     """
 
     role = "module"
+    #: A new learning rate is given to the restored optimizer; the rollback check is per step.
+    resume_safe: ClassVar[tuple[str, ...]] = ("lr", "rollback_non_finite")
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The ``ReplayStore`` protocol every replay backend implements.
+"""The ``ReplayStore`` protocol every replay backend implements (and ``InspectableStore``).
 
 A replay store holds the rows of the running iteration, packed (one variable-length tensor per
 row and column, no padding stored). Columns are either *token-level* (``[L_i, ...]``: first
@@ -29,6 +29,9 @@ Rules every backend follows (the conformance suite in ``tests/replay`` checks th
 * ``close`` lets go of what the store holds outside this process's memory (connections, and
   services it started itself); ``ReplayDataModule`` calls it at the end of fit and on failure.
   It is idempotent and the store stays usable (a later call reconnects).
+
+``ReplayStore`` holds exactly what lppo calls. ``InspectableStore`` is the optional rest, for
+tests and benchmarks: ``columns``, ``has``, ``claimed``, ``clear``, ``nbytes`` and ``len``.
 """
 
 from __future__ import annotations
@@ -96,20 +99,8 @@ class ReplayStore(Protocol):
         """
         ...
 
-    def columns(self) -> dict[str, tuple[torch.dtype, int]]:
-        """Known columns, ``name -> (dtype, rank)``; rank 0 is a row-level column."""
-        ...
-
-    def has(self, name: str, ids: Sequence[int]) -> bool:
-        """Whether every row of ``ids`` holds column ``name``."""
-        ...
-
     def claim(self, ids: Sequence[int], owner: str) -> None:
         """Retain live rows ``ids`` for ``owner`` until they are released."""
-        ...
-
-    def claimed(self) -> dict[int, str]:
-        """Live claimed rows, ``id -> owner``."""
         ...
 
     def release(self, ids: Sequence[int]) -> None:
@@ -127,18 +118,6 @@ class ReplayStore(Protocol):
         """
         ...
 
-    def clear(self) -> None:
-        """Delete every live row (schema kept)."""
-        ...
-
-    def nbytes(self) -> int:
-        """Bytes held by the stored tensors."""
-        ...
-
-    def __len__(self) -> int:
-        """Number of live rows."""
-        ...
-
     def connect(self, group: ProcessGroup) -> None:
         """At setup, on every rank of ``group``: share the rows across its ranks (if shared)."""
         ...
@@ -153,4 +132,37 @@ class ReplayStore(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the store's content with ``state`` (from ``state_dict``)."""
+        ...
+
+
+@runtime_checkable
+class InspectableStore(Protocol):
+    """What a store shows of itself beyond :class:`ReplayStore`: for tests and benchmarks.
+
+    lppo's training path never calls these; both stores implement them, so the conformance
+    suite and the memory benchmarks can look inside any of them.
+    """
+
+    def columns(self) -> dict[str, tuple[torch.dtype, int]]:
+        """Known columns, ``name -> (dtype, rank)``; rank 0 is a row-level column."""
+        ...
+
+    def has(self, name: str, ids: Sequence[int]) -> bool:
+        """Whether every row of ``ids`` holds column ``name``."""
+        ...
+
+    def claimed(self) -> dict[int, str]:
+        """Live claimed rows, ``id -> owner``."""
+        ...
+
+    def clear(self) -> None:
+        """Delete every live row (schema kept)."""
+        ...
+
+    def nbytes(self) -> int:
+        """Bytes held by the stored tensors."""
+        ...
+
+    def __len__(self) -> int:
+        """Number of live rows."""
         ...

@@ -50,9 +50,16 @@ import torch
 
 from lppo.parallel import ProcessGroup
 from lppo.ray_runtime import cluster_address, configure_ray, configured_ray, ray_module
-from lppo.replay._checks import FIXED_SPECS, as_ids, as_lists, check_tensor, decode_dtype
+from lppo.replay._checks import as_ids, as_lists, decode_dtype
 from lppo.replay._segments import count_true
-from lppo.replay._tq_fields import ERRORS, nbytes_of, rows_of, to_batch
+from lppo.replay._tq_fields import (
+    ERRORS,
+    checked_specs,
+    nbytes_of,
+    row_lengths,
+    rows_of,
+    to_batch,
+)
 from lppo.replay._tq_runtime import acquire_tq, release_tq, tq_module
 from lppo.replay._tq_state import decode_state, encode_state
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
@@ -182,37 +189,6 @@ class TransferQueueReplayStore:
         return tuple(self._call("allocate", n)) if n else ()
 
     # ------------------------------------------------------------------ put / write
-    @staticmethod
-    def _lengths(ids: list[int], cols: dict[str, list[torch.Tensor]]) -> list[int]:
-        """Row lengths from ``input_ids`` (checked: ``int64`` rank 1)."""
-        for i, t in zip(ids, cols[INPUT_IDS], strict=True):
-            check_tensor(
-                "put", i, INPUT_IDS, t, FIXED_SPECS[INPUT_IDS], t.shape[0] if t.dim() else 0
-            )
-        return [int(t.shape[0]) for t in cols[INPUT_IDS]]
-
-    @staticmethod
-    def _specs(
-        op: str,
-        ids: list[int],
-        cols: dict[str, list[torch.Tensor]],
-        lengths: list[int] | None,
-        known: Mapping[str, tuple[torch.dtype, int]],
-    ) -> dict[str, tuple[str, int]]:
-        """Check every column's tensors against one spec and their first dims.
-
-        The spec is ``known``'s, else the fixed one, else the first tensor's; first dims are
-        checked against ``lengths`` (``None``: the rows' lengths are not known here).
-        """
-        specs = {}
-        for name, tensors in cols.items():
-            spec = known.get(name) or FIXED_SPECS.get(name) or (tensors[0].dtype, tensors[0].dim())
-            for j, (i, t) in enumerate(zip(ids, tensors, strict=True)):
-                dim = t.shape[0] if t.dim() else 0
-                check_tensor(op, i, name, t, spec, dim if lengths is None else lengths[j])
-            specs[name] = (str(spec[0]), spec[1])
-        return specs
-
     def put(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
         """Create rows ``ids``; ``columns[name][i]`` is row ``ids[i]``'s tensor for ``name``.
 
@@ -227,12 +203,12 @@ class TransferQueueReplayStore:
             raise ValueError(f"put: missing column {INPUT_IDS!r}; got {sorted(columns)}")
         cols = as_lists("put", columns, len(id_list))
         try:
-            lengths = self._lengths(id_list, cols)
-            specs = self._specs("put", id_list, cols, lengths, {})
+            lengths = row_lengths(id_list, cols)
+            specs = checked_specs("put", id_list, cols, lengths, {})
         except (TypeError, ValueError):
             if id_list:  # raise what every backend raises: schema / live ids first, then the
                 self._call("check_rows", id_list, list(cols))  # first column in error
-                self._specs("put", id_list, cols, self._lengths(id_list, cols), self.columns())
+                checked_specs("put", id_list, cols, row_lengths(id_list, cols), self.columns())
             raise
         if not id_list:
             return
@@ -275,10 +251,10 @@ class TransferQueueReplayStore:
         # Each column must agree with itself first (dims are checked against rows remotely).
         dims = {n: [int(t.shape[0]) if t.dim() else 0 for t in ts] for n, ts in cols.items()}
         try:
-            specs = self._specs("write", id_list, cols, None, {})
+            specs = checked_specs("write", id_list, cols, None, {})
         except (TypeError, ValueError):
             self._call("check_write", id_list, {}, {})  # unknown ids come first
-            self._specs("write", id_list, cols, None, self.columns())
+            checked_specs("write", id_list, cols, None, self.columns())
             raise
         self._call("check_write", id_list, specs, dims)
         valid = count_true(cols[RESPONSE_MASK]) if RESPONSE_MASK in cols else None

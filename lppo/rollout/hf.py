@@ -111,6 +111,8 @@ class HFGenerateEngine:
             Full-attention models only.
     """
 
+    resume_safe = ("batch_size",)  # a resumed run may regroup its generate calls
+
     def __init__(
         self,
         batch_size: int | None = None,

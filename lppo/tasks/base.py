@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from lppo.init_args import RecordsInitArgs
+
 
 @dataclass
 class Prompt:
@@ -28,7 +30,7 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-class Task(abc.ABC):
+class Task(RecordsInitArgs, abc.ABC):
     """A procedurally generated, verifiable task (nothing is downloaded)."""
 
     #: Short registry name of the task (see :func:`lppo.tasks.get_task`).

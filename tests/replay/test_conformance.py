@@ -1,4 +1,4 @@
-"""Conformance suite of the ``ReplayStore`` protocol, run against every backend.
+"""Conformance suite of the ``ReplayStore`` and ``InspectableStore`` protocols, every backend.
 
 Written only against :mod:`lppo.replay.base`; add a backend with one line in ``BACKENDS``.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from lppo.replay import MemoryReplayStore, ReplayError, ReplayStore
+from lppo.replay import InspectableStore, MemoryReplayStore, ReplayError, ReplayStore
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARD
 
 BACKENDS = [
@@ -25,19 +25,24 @@ BACKENDS = [
     pytest.param(tq_store, id="transfer_queue", marks=pytest.mark.distributed),
 ]
 
+
+class Store(ReplayStore, InspectableStore, Protocol):
+    """What the suite tests: both protocols (every backend implements both)."""
+
+
 SCHEMA = (INPUT_IDS, RESPONSE_MASK, GEN_LOGPROBS, REWARD, "prompt_index", "tags")
 LENGTHS = {0: 5, 1: 2, 2: 9, 3: 1, 4: 7}
 
 
 @pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest) -> Iterator[ReplayStore]:
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     s = request.param()
     yield s
     s.close()
 
 
 @pytest.fixture
-def other(request: pytest.FixtureRequest, store: ReplayStore) -> Iterator[ReplayStore]:
+def other(request: pytest.FixtureRequest, store: Store) -> Iterator[Store]:
     """A second, empty store of the same backend as ``store``."""
     s = request.node.callspec.params["store"]()
     yield s
@@ -68,7 +73,7 @@ def make_cols(ids: Sequence[int], lengths: Mapping[int, int] | None = None) -> d
     return {name: [r[name] for r in rows] for name in SCHEMA}
 
 
-def filled(store: ReplayStore) -> ReplayStore:
+def filled(store: Store) -> Store:
     """Rows 0..4, ``old_logprobs`` written on 0 and 2, row 3 claimed, row 9 put then released."""
     store.put(list(LENGTHS), make_cols(list(LENGTHS)))
     store.write([0, 2], {OLD_LOGPROBS: [torch.zeros(LENGTHS[0]), torch.ones(LENGTHS[2])]})
@@ -105,7 +110,7 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         assert a == b and type(a) is type(b), f"{path}: {a!r} != {b!r}"
 
 
-def observe(store: ReplayStore) -> dict[str, Any]:
+def observe(store: Store) -> dict[str, Any]:
     """Everything observable through the protocol, for before / after comparisons."""
     meta = store.meta()
     names = list(store.columns())
@@ -123,7 +128,7 @@ def observe(store: ReplayStore) -> dict[str, Any]:
     }
 
 
-def assert_unchanged(store: ReplayStore, exc: type[BaseException], fn: Callable[[], Any]) -> None:
+def assert_unchanged(store: Store, exc: type[BaseException], fn: Callable[[], Any]) -> None:
     before = observe(store)
     with pytest.raises(exc):
         fn()
@@ -139,7 +144,7 @@ def assert_rows_equal(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor])
 # --------------------------------------------------------------------------- row ids
 
 
-def test_allocate_hands_out_fresh_ids(store: ReplayStore, other: ReplayStore) -> None:
+def test_allocate_hands_out_fresh_ids(store: Store, other: Store) -> None:
     assert isinstance(store.shared, bool)
     first = store.allocate(3)
     assert len(first) == 3 and len(set(first)) == 3 and len(store) == 0
@@ -162,13 +167,13 @@ def test_allocate_hands_out_fresh_ids(store: ReplayStore, other: ReplayStore) ->
 # --------------------------------------------------------------------------- put / read
 
 
-def test_satisfies_protocol(store: ReplayStore) -> None:
-    assert isinstance(store, ReplayStore)
+def test_satisfies_protocol(store: Store) -> None:
+    assert isinstance(store, ReplayStore) and isinstance(store, InspectableStore)
     assert issubclass(ReplayError, Exception)
     assert len(store) == 0 and store.meta().ids == () and store.nbytes() == 0
 
 
-def test_put_read_variable_length(store: ReplayStore) -> None:
+def test_put_read_variable_length(store: Store) -> None:
     ids = list(LENGTHS)
     cols = make_cols(ids)
     store.put(ids, cols)
@@ -187,7 +192,7 @@ def test_put_read_variable_length(store: ReplayStore) -> None:
     }
 
 
-def test_read_any_subset_any_order(store: ReplayStore) -> None:
+def test_read_any_subset_any_order(store: Store) -> None:
     ids = list(LENGTHS)
     cols = make_cols(ids)
     store.put(ids, cols)
@@ -200,7 +205,7 @@ def test_read_any_subset_any_order(store: ReplayStore) -> None:
     assert store.read([], [INPUT_IDS]) == {INPUT_IDS: []}
 
 
-def test_put_is_isolated_from_caller_mutation(store: ReplayStore) -> None:
+def test_put_is_isolated_from_caller_mutation(store: Store) -> None:
     big = torch.arange(1000)
     cols = make_cols([0, 1])
     cols[INPUT_IDS] = [big[:5], big[10:12]]
@@ -216,7 +221,7 @@ def test_put_is_isolated_from_caller_mutation(store: ReplayStore) -> None:
     assert store.nbytes() == expected
 
 
-def test_nbytes_tracks_rows(store: ReplayStore) -> None:
+def test_nbytes_tracks_rows(store: Store) -> None:
     store.put([0, 1], make_cols([0, 1]))
     n = store.nbytes()
     store.write([0], {"v": [torch.zeros(LENGTHS[0], dtype=torch.float64)]})
@@ -230,7 +235,7 @@ def test_nbytes_tracks_rows(store: ReplayStore) -> None:
 # --------------------------------------------------------------------------- write
 
 
-def test_write_new_column_for_subset(store: ReplayStore) -> None:
+def test_write_new_column_for_subset(store: Store) -> None:
     store.put(list(LENGTHS), make_cols(list(LENGTHS)))
     vals = [torch.randn(LENGTHS[1]), torch.randn(LENGTHS[4])]
     store.write([4, 1], {OLD_LOGPROBS: vals[::-1]})
@@ -244,7 +249,7 @@ def test_write_new_column_for_subset(store: ReplayStore) -> None:
         store.read([0], ["never_written"])
 
 
-def test_write_columns_for_all_rows(store: ReplayStore) -> None:
+def test_write_columns_for_all_rows(store: Store) -> None:
     ids = list(LENGTHS)
     store.put(ids, make_cols(ids))
     values = [torch.randn(LENGTHS[i], dtype=torch.float64) for i in ids]
@@ -257,7 +262,7 @@ def test_write_columns_for_all_rows(store: ReplayStore) -> None:
     assert_rows_equal(out["score"], score[::-1])
 
 
-def test_overwrite(store: ReplayStore) -> None:
+def test_overwrite(store: Store) -> None:
     store.put([0, 1], make_cols([0, 1]))
     new = torch.full((LENGTHS[1],), -3.0)
     store.write([1], {GEN_LOGPROBS: [new]})
@@ -269,7 +274,7 @@ def test_overwrite(store: ReplayStore) -> None:
     assert store.read([1], [GEN_LOGPROBS])[GEN_LOGPROBS][0].eq(-3.0).all()
 
 
-def test_written_columns_are_not_in_row_schema(store: ReplayStore) -> None:
+def test_written_columns_are_not_in_row_schema(store: Store) -> None:
     store.put([0], make_cols([0]))
     store.write([0], {OLD_LOGPROBS: [torch.zeros(LENGTHS[0])]})
     store.put([1], make_cols([1]))  # the schema does not grow with written columns
@@ -289,7 +294,7 @@ class _TensorSpy(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_meta_without_tensor_reads(store: ReplayStore) -> None:
+def test_meta_without_tensor_reads(store: Store) -> None:
     ids = list(LENGTHS)
     cols = make_cols(ids)
     store.put(ids, cols)
@@ -307,7 +312,7 @@ def test_meta_without_tensor_reads(store: ReplayStore) -> None:
     assert store.meta([]).ids == ()
 
 
-def test_meta_after_response_mask_overwrite(store: ReplayStore) -> None:
+def test_meta_after_response_mask_overwrite(store: Store) -> None:
     store.put([0, 2], make_cols([0, 2]))
     mask = torch.zeros(LENGTHS[2], dtype=torch.bool)
     mask[3:6] = True
@@ -319,13 +324,13 @@ def test_meta_after_response_mask_overwrite(store: ReplayStore) -> None:
     assert meta.valid_tokens == (3,) and meta.lengths == (LENGTHS[2],)
 
 
-def test_meta_zero_valid_without_response_mask(store: ReplayStore) -> None:
+def test_meta_zero_valid_without_response_mask(store: Store) -> None:
     store.put([5, 6], {INPUT_IDS: [torch.arange(4), torch.arange(2)]})
     meta = store.meta()
     assert meta.ids == (5, 6) and meta.lengths == (4, 2) and meta.valid_tokens == (0, 0)
 
 
-def test_has(store: ReplayStore) -> None:
+def test_has(store: Store) -> None:
     filled(store)
     assert store.has(INPUT_IDS, [0, 1, 2, 3, 4])
     assert store.has(OLD_LOGPROBS, [2, 0])
@@ -337,7 +342,7 @@ def test_has(store: ReplayStore) -> None:
 # --------------------------------------------------------------------------- claim / release
 
 
-def test_claim_release_clear_len(store: ReplayStore) -> None:
+def test_claim_release_clear_len(store: Store) -> None:
     store.put(list(LENGTHS), make_cols(list(LENGTHS)))
     assert store.claimed() == {}
     store.claim([1, 3], "actor")
@@ -358,7 +363,7 @@ def test_claim_release_clear_len(store: ReplayStore) -> None:
     assert len(store) == 2
 
 
-def test_release_exactly_once(store: ReplayStore) -> None:
+def test_release_exactly_once(store: Store) -> None:
     store.put([0, 1], make_cols([0, 1]))
     store.release([0])
     assert_unchanged(store, KeyError, lambda: store.release([0]))
@@ -368,7 +373,7 @@ def test_release_exactly_once(store: ReplayStore) -> None:
     assert not store.has(INPUT_IDS, [0])
 
 
-def test_discard_deletes_what_ids_hold_and_skips_the_rest(store: ReplayStore) -> None:
+def test_discard_deletes_what_ids_hold_and_skips_the_rest(store: Store) -> None:
     store.put([0, 1, 2], make_cols([0, 1, 2]))
     store.claim([1], "actor")
     store.release([2])
@@ -382,7 +387,7 @@ def test_discard_deletes_what_ids_hold_and_skips_the_rest(store: ReplayStore) ->
     assert store.meta().ids == (1, 4)
 
 
-def test_reuse_released_id_but_not_live(store: ReplayStore) -> None:
+def test_reuse_released_id_but_not_live(store: Store) -> None:
     store.put([0, 1], make_cols([0, 1]))
     store.claim([0], "actor")
     store.release([0])
@@ -398,7 +403,7 @@ def test_reuse_released_id_but_not_live(store: ReplayStore) -> None:
 # --------------------------------------------------------------------------- state dict
 
 
-def _roundtrip(src: ReplayStore, dst: ReplayStore) -> None:
+def _roundtrip(src: Store, dst: Store) -> None:
     before = observe(src)
     state = src.state_dict()
     buf = io.BytesIO()
@@ -411,7 +416,7 @@ def _roundtrip(src: ReplayStore, dst: ReplayStore) -> None:
     assert_same(clone_state(state), dst.state_dict())
 
 
-def test_state_dict_roundtrip(store: ReplayStore, other: ReplayStore) -> None:
+def test_state_dict_roundtrip(store: Store, other: Store) -> None:
     filled(store)
     store.write([1], {RESPONSE_MASK: [torch.tensor([False, True])]})
     fresh = other
@@ -429,7 +434,7 @@ def test_state_dict_roundtrip(store: ReplayStore, other: ReplayStore) -> None:
     assert fresh.meta().valid_tokens[1] == 1
 
 
-def test_state_dict_roundtrip_empty_and_direct(store: ReplayStore, other: ReplayStore) -> None:
+def test_state_dict_roundtrip_empty_and_direct(store: Store, other: Store) -> None:
     _roundtrip(store, other)
     filled(store)
     other.load_state_dict(store.state_dict())  # replaces previous content
@@ -453,7 +458,7 @@ def _cols_with(ids: Sequence[int], **changes: Any) -> dict[str, list]:
 
 
 f32, i64 = torch.float32, torch.int64
-BAD_CALLS: list[tuple[str, type[BaseException], Callable[[ReplayStore], Any]]] = [
+BAD_CALLS: list[tuple[str, type[BaseException], Callable[[Store], Any]]] = [
     # put
     (
         "put-token-length",
@@ -573,7 +578,7 @@ BAD_CALLS: list[tuple[str, type[BaseException], Callable[[ReplayStore], Any]]] =
 
 @pytest.mark.parametrize(("exc", "call"), [pytest.param(e, c, id=n) for n, e, c in BAD_CALLS])
 def test_bad_call_raises_and_changes_nothing(
-    store: ReplayStore, exc: type[BaseException], call: Callable[[ReplayStore], Any]
+    store: Store, exc: type[BaseException], call: Callable[[Store], Any]
 ) -> None:
     filled(store)
     assert_unchanged(store, exc, lambda: call(store))
@@ -603,7 +608,7 @@ FIRST_PUT_BAD: list[tuple[str, type[BaseException], dict[str, list]]] = [
 
 @pytest.mark.parametrize(("exc", "cols"), [pytest.param(e, c, id=n) for n, e, c in FIRST_PUT_BAD])
 def test_bad_first_put_fixes_nothing(
-    store: ReplayStore, exc: type[BaseException], cols: dict[str, list]
+    store: Store, exc: type[BaseException], cols: dict[str, list]
 ) -> None:
     n = len(cols[INPUT_IDS])
     assert_unchanged(store, exc, lambda: store.put(list(range(n)), cols))
@@ -612,7 +617,7 @@ def test_bad_first_put_fixes_nothing(
     assert set(store.columns()) == {INPUT_IDS, "other"}
 
 
-def test_empty_calls_change_nothing(store: ReplayStore) -> None:
+def test_empty_calls_change_nothing(store: Store) -> None:
     before = observe(store)
     store.put([], {INPUT_IDS: []})
     store.write([], {"x": []})
@@ -632,7 +637,7 @@ OPS = st.sampled_from(["put", "write_tok", "write_row", "release", "bad_release"
 @pytest.mark.parametrize("factory", BACKENDS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_ops_match_model(factory: Callable[[], ReplayStore], data: st.DataObject) -> None:
+def test_random_ops_match_model(factory: Callable[[], Store], data: st.DataObject) -> None:
     store = factory()
     try:
         _random_ops(store, data)
@@ -640,7 +645,7 @@ def test_random_ops_match_model(factory: Callable[[], ReplayStore], data: st.Dat
         store.close()
 
 
-def _random_ops(store: ReplayStore, data: st.DataObject) -> None:
+def _random_ops(store: Store, data: st.DataObject) -> None:
     model: dict[int, dict[str, torch.Tensor]] = {}
     released: set[int] = set()
     for _ in range(data.draw(st.integers(1, 15), label="n_ops")):
@@ -704,7 +709,7 @@ def _random_ops(store: ReplayStore, data: st.DataObject) -> None:
                 assert store.has(name, [i]) == (name in row)
 
 
-def test_error_messages_name_the_culprit(store: ReplayStore) -> None:
+def test_error_messages_name_the_culprit(store: Store) -> None:
     filled(store)
     with pytest.raises(KeyError, match="42"):
         store.read([0, 42], [INPUT_IDS])

@@ -1,0 +1,140 @@
+"""Resume-safe settings are declared by the components; settings are their init arguments.
+
+A plug-in engine defined here (nothing in lppo names it) keeps an argument under another
+attribute name: it is recorded with its real value, its declared knob may change on resume,
+any other knob may not.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from dataclasses import dataclass
+
+import pytest
+from test_resume import fit
+
+from lppo.checkpointing import RESUME_SAFE, CheckpointError, run_settings, settings_changes
+from lppo.data import ReplayDataModule
+from lppo.init_args import Record, RecordsInitArgs, record
+from lppo.models import HFCausalLM
+from lppo.modules import ActorModule
+from lppo.rollout import HFGenerateEngine
+from lppo.system import PPOSystem
+from lppo.tasks import CopyTask
+
+
+class RenamedEngine(RecordsInitArgs, HFGenerateEngine):
+    """``HFGenerateEngine`` whose knobs have other names than the attributes holding them."""
+
+    resume_safe = ("per_call",)
+
+    def __init__(self, per_call: int | None = None, ordered: bool = False) -> None:
+        super().__init__(batch_size=per_call, sort_by_length=ordered)
+
+
+def system(engine=None, system_class=PPOSystem, **kwargs):
+    spec = HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    return system_class(
+        actor=ActorModule(spec), critic=None, task=CopyTask(), engine=engine, **kwargs
+    )
+
+
+def settings(engine=None, system_class=PPOSystem, **kwargs):
+    return run_settings(system(engine, system_class, **kwargs), ReplayDataModule())
+
+
+def test_a_plugin_engine_is_recorded_with_its_real_init_arguments():
+    engine = RenamedEngine(per_call=2, ordered=True)
+    assert not hasattr(engine, "per_call")  # read back by name, it would be None
+    recorded = settings(engine)
+    assert recorded["model.engine.class_path"].endswith("test_resume_safe.RenamedEngine")
+    assert recorded["model.engine.init_args.per_call"] == 2
+    assert recorded["model.engine.init_args.ordered"] is True
+    assert "model.engine.init_args.per_call" in recorded[RESUME_SAFE]
+
+
+def test_its_declared_knob_applies_on_resume_and_another_is_refused():
+    saved = settings(RenamedEngine(per_call=2))
+    applicable, refused = settings_changes(saved, settings(RenamedEngine(per_call=3)))
+    assert (applicable, refused) == (["model.engine.init_args.per_call: 2 -> 3"], [])
+    applicable, refused = settings_changes(saved, settings(RenamedEngine(2, ordered=True)))
+    assert (applicable, refused) == ([], ["model.engine.init_args.ordered: False -> True"])
+
+
+def test_a_task_argument_stored_under_another_name_is_recorded():
+    # CopyTask keeps alphabet_size as the alphabet itself.
+    assert settings()["model.task.init_args.alphabet_size"] == 8
+    saved = run_settings(system(), ReplayDataModule())
+    resumed = system()
+    resumed.task = CopyTask(alphabet_size=5)
+    _, refused = settings_changes(saved, run_settings(resumed, ReplayDataModule()))
+    assert refused == ["model.task.init_args.alphabet_size: 8 -> 5"]
+
+
+def test_the_system_declares_its_own_resume_safe_settings():
+    class ThreadedSystem(PPOSystem):
+        resume_safe = ("num_threads",)
+
+    recorded = settings(system_class=ThreadedSystem, num_threads=1)
+    assert recorded["model.num_threads"] == 1
+    assert "model.num_threads" in recorded[RESUME_SAFE]
+    changed = settings(system_class=ThreadedSystem, num_threads=2)
+    assert settings_changes(recorded, changed) == (["model.num_threads: 1 -> 2"], [])
+
+
+def test_a_resume_safe_name_that_is_not_a_setting_is_refused():
+    class Misdeclared(RenamedEngine):
+        resume_safe = ("batch_size",)  # the base's attribute, not this class's argument
+
+    with pytest.raises(TypeError, match=r"Misdeclared.resume_safe names \['batch_size'\]"):
+        record(Misdeclared(per_call=2))
+
+
+@dataclass
+class Spec:
+    width: int = 4
+
+
+class Holder(RecordsInitArgs):
+    def __init__(self, spec: Spec, factory=None, **kwargs) -> None:
+        self.parts = (spec, factory, kwargs)
+
+
+def test_settings_objects_nest_and_runtime_objects_are_left_out():
+    rec = record(Holder(Spec(7), factory=print, scale=2.5))
+    assert rec.settings == {
+        "spec": Record(f"{__name__}.Spec", {"width": 7}),
+        "scale": 2.5,
+    }
+
+
+def test_a_copied_or_pickled_component_keeps_its_record():
+    engine = RenamedEngine(per_call=2)
+    for clone in (copy.deepcopy(engine), pickle.loads(pickle.dumps(engine))):
+        assert record(clone) == record(engine)
+
+
+def test_checkpoints_written_before_the_resume_safe_entry_still_resume():
+    current = settings()
+    legacy = {k: v for k, v in current.items() if k != RESUME_SAFE}
+    legacy.pop("model.tokenizer_path")  # not recorded then
+    legacy["model.actor.init_args.kwargs"] = None  # **kwargs was recorded as None then
+    assert settings_changes(legacy, current) == ([], [])
+    # A checkpoint with the entry is compared on every key.
+    _, refused = settings_changes(dict(legacy, **{RESUME_SAFE: []}), current)
+    assert refused == [
+        "model.actor.init_args.kwargs: None -> '<absent>'",
+        "model.tokenizer_path: '<absent>' -> None",
+    ]
+
+
+@pytest.mark.slow
+def test_a_real_resume_applies_the_declared_knob_and_refuses_another(tmp_path):
+    fit(tmp_path, 1, engine=RenamedEngine(per_call=2))
+    last = str(tmp_path / "checkpoints" / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"model.engine.init_args.ordered: False -> True"):
+        fit(tmp_path / "refused", 2, ckpt_path=last, engine=RenamedEngine(2, ordered=True))
+    _, resumed = fit(tmp_path / "applied", 2, ckpt_path=last, engine=RenamedEngine(per_call=3))
+    assert resumed.engine.batch_size == 3
+    assert resumed.current_epoch == 2  # restored from iteration 1, trained iteration 2
