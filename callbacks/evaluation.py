@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
-import torch
 from lppo.callbacks.metrics_logger import PPOMetricsLogger
 
 from lppo.hooks import PPOCallback
-from lppo.rollout.base import GenerationOutput, RewardError, RolloutEngine, score
+from lppo.rollout.base import RewardError
 from lppo.tasks.base import Prompt, Task
 from lppo.types import iteration_label
 from lppo.validation import callback_key, check_number
 
 if TYPE_CHECKING:
+    from lppo.rollout.source import RolloutSource
     from lppo.system import PPOSystem
 
 #: A sample is correct when its reward reaches this value (tasks give exactly 1.0 to the
@@ -96,44 +94,6 @@ def evaluation_metrics(
     return metrics
 
 
-@contextlib.contextmanager
-def undisturbed(module: torch.nn.Module) -> Iterator[None]:
-    """Run a block without gradients, then restore RNGs and every submodule's train/eval mode.
-
-    Forks torch's CPU RNG and that of every initialized CUDA device, and saves Python's
-    ``random`` state (and NumPy's, when installed), so whatever the block draws leaves the
-    training trajectory untouched.
-
-    Args:
-        module: the module whose (and whose submodules') ``training`` flags are restored.
-    """
-    modes = [(m, m.training) for m in module.modules()]
-    python_state = random.getstate()
-    numpy_state = _numpy_state()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy_state is not None:
-            import numpy
-
-            numpy.random.set_state(numpy_state)
-        for m, training in modes:
-            m.training = training
-
-
-def _numpy_state() -> Any:
-    """NumPy's global RNG state, or ``None`` without NumPy."""
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy comes with torch / transformers
-        return None
-    return numpy.random.get_state()
-
-
 class Evaluation(PPOCallback):
     """Evaluates the policy during training on a fixed set of prompts drawn apart from training.
 
@@ -148,8 +108,9 @@ class Evaluation(PPOCallback):
 
     After every ``every_n_iterations``-th iteration and after the last one (``max_epochs``,
     ``max_steps`` or a requested stop; any other stop evaluates at the end of fit), global
-    rank zero generates ``samples_per_prompt`` responses per prompt with ``pl_module.engine``
-    (the run's ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them
+    rank zero generates ``samples_per_prompt`` responses per prompt through the run's rollout
+    source (``pl_module.rollout_source.evaluate``: the engine on the actor's current weights,
+    the run's ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them
     with one ``task.rewards`` call and logs ``<prefix>/reward_mean``, ``<prefix>/accuracy``
     (samples with reward 1.0, the reference answer), ``<prefix>/pass@1`` and
     ``<prefix>/pass@<k>`` (Chen et al.'s unbiased estimator averaged over prompts),
@@ -168,8 +129,7 @@ class Evaluation(PPOCallback):
         num_prompts: held-out prompts.
         samples_per_prompt: responses per prompt, the ``k`` of pass@k.
         seed: seed of the held-out prompts and of their sampling.
-        greedy: decode greedily (argmax) instead of sampling; needs an engine whose
-            ``generate`` takes ``greedy=`` (``HFGenerateEngine`` does), and
+        greedy: decode greedily (argmax) instead of sampling (every rollout engine can); needs
             ``samples_per_prompt: 1`` (greedy samples of a prompt are identical).
         task: the task to draw prompts from and reward with (it must use the training task's
             vocabulary); ``None``: the trained task (``model.task``).
@@ -218,11 +178,10 @@ class Evaluation(PPOCallback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check the settings against the engine and draw the held-out prompts.
+        """Check the settings against the other callbacks and draw the held-out prompts.
 
         Raises:
-            ValueError: another ``Evaluation`` uses the same ``prefix``, or ``greedy`` is set
-                and the engine's ``generate`` takes no ``greedy`` argument.
+            ValueError: another ``Evaluation`` uses the same ``prefix``.
         """
         others = [cb for cb in trainer.callbacks if isinstance(cb, Evaluation) and cb is not self]
         if any(cb.prefix == self.prefix for cb in others):
@@ -230,14 +189,12 @@ class Evaluation(PPOCallback):
                 f"two Evaluation callbacks log under Evaluation.prefix={self.prefix!r}; "
                 "give each its own prefix."
             )
-        system = cast("PPOSystem", pl_module)
-        if self.greedy and "greedy" not in inspect.signature(system.engine.generate).parameters:
-            raise ValueError(
-                f"Evaluation.greedy=true needs an engine whose generate() takes greedy=; "
-                f"{type(system.engine).__name__}.generate does not (set greedy=false)."
-            )
         if self.prompts is None:
-            self.prompts = self.draw_prompts(self.task if self.task is not None else system.task)
+            # Lightning sets callbacks up before the module builds its rollout source
+            # (configure_model), so the trained task is read from the module (model.task):
+            # drawing later would see a task restored from a checkpoint or advanced by training.
+            trained = cast("PPOSystem", pl_module).task
+            self.prompts = self.draw_prompts(self.task if self.task is not None else trained)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Evaluate after every ``every_n_iterations``-th iteration and after the last one."""
@@ -291,49 +248,43 @@ class Evaluation(PPOCallback):
         """
         if not trainer.is_global_zero or any(h["iteration"] == iteration for h in self.history):
             return None
-        system = cast("PPOSystem", pl_module)
-        task = self.task if self.task is not None else system.task
+        source = self._source(pl_module)
+        task = self.task if self.task is not None else source.task
         prompts = self.prompts if self.prompts is not None else self.draw_prompts(task)
         self.prompts = prompts
         clock = time.perf_counter()
-        with undisturbed(system.actor):
-            if system.rollout_source is not None:
-                system.rollout_source.sync()  # never evaluate weights older than the actor's
-            output = self.generate(system.engine, prompts)
-            try:
-                rewards = score(task, prompts, output).tolist()
-            except RewardError as error:
-                raise RewardError(
-                    f"{self.prefix} after {iteration_label(iteration)}: {error}"
-                ) from error
-        lengths = [float(m.sum()) for m in output.response_mask]
-        metrics = evaluation_metrics(rewards, lengths, self.samples_per_prompt)
+        k = self.samples_per_prompt
+        try:
+            samples = source.evaluate(prompts, k, self.seed, greedy=self.greedy, task=task)
+        except RewardError as error:
+            raise RewardError(
+                f"{self.prefix} after {iteration_label(iteration)}: {error}"
+            ) from error
+        lengths = [float(m.sum()) for m in samples.output.response_mask]
+        metrics = evaluation_metrics(samples.rewards, lengths, k)
         metrics["seconds"] = time.perf_counter() - clock
         row: dict[str, float] = {"iteration": iteration}
-        row.update({f"{self.prefix}/{k}": v for k, v in metrics.items()})
+        row.update({f"{self.prefix}/{name}": v for name, v in metrics.items()})
         step = self.log_row(trainer, row)
         entry = {"iteration": iteration, "step": step, **metrics}
         self.history.append(entry)
         self.history.sort(key=lambda h: h["iteration"])
         return entry
 
-    def generate(self, engine: RolloutEngine, prompts: list[Prompt]) -> GenerationOutput:
-        """``samples_per_prompt`` responses per prompt from ``engine`` (greedy if asked).
+    @staticmethod
+    def _source(pl_module: pl.LightningModule) -> RolloutSource:
+        """The run's rollout source, which generates and rewards the evaluation samples.
 
         Raises:
-            RuntimeError: the engine returned another number of samples.
+            RuntimeError: the module has not built it yet (``PPOSystem.configure_model``).
         """
-        k = self.samples_per_prompt
-        if self.greedy:
-            output = cast(Any, engine).generate(prompts, k, seed=self.seed, greedy=True)
-        else:
-            output = engine.generate(prompts, k, seed=self.seed)
-        if len(output) != len(prompts) * k:
+        source = cast("PPOSystem", pl_module).rollout_source
+        if source is None:
             raise RuntimeError(
-                f"{type(engine).__name__}.generate returned {len(output)} samples for "
-                f"{len(prompts)} prompts × {k}."
+                "Evaluation needs the module's rollout source, which PPOSystem.configure_model "
+                "builds; evaluate after the fit has set the module up."
             )
-        return output
+        return source
 
     @staticmethod
     def log_row(trainer: pl.Trainer, row: dict[str, float]) -> int:
