@@ -16,6 +16,7 @@ from lppo.chunks import iter_chunks
 from lppo.cli import run
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.data_settings import DataSettings
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule, RewardModel
@@ -40,7 +41,7 @@ def test_scores_are_per_row_whatever_the_chunking():
     model.configure_model()
     want = [float(model.classifier(input_ids=ids[None]).logits[0, 0]) for ids in cols[INPUT_IDS]]
     for budget in (14, 1000):
-        [step] = ChunkPlanner(budget, seed=1).plan(store.meta()).steps
+        [step] = ChunkPlanner(DataSettings(budget, seed=1)).plan(store.meta()).steps
         got = {}
         for chunk in iter_chunks(store, step, []):
             got.update(zip(chunk.row_ids, model.score(chunk).tolist(), strict=True))
