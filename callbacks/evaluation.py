@@ -7,13 +7,13 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import lightning.pytorch as pl
-from lppo.callbacks.metrics_logger import PPOMetricsLogger
 
 from lppo.hooks import PPOCallback
 from lppo.rollout.base import RewardError
+from lppo.run_log import RunLog
 from lppo.tasks.base import Prompt, Task
 from lppo.types import iteration_label
 from lppo.validation import callback_key, check_number
@@ -115,11 +115,12 @@ class Evaluation(PPOCallback):
     (samples with reward 1.0, the reference answer), ``<prefix>/pass@1`` and
     ``<prefix>/pass@<k>`` (Chen et al.'s unbiased estimator averaged over prompts),
     ``<prefix>/response_length_mean`` and ``<prefix>/seconds``, with ``iteration``, to every
-    logger; other ranks skip. Rows take the next step of :class:`PPOMetricsLogger`'s axis
-    (after the iteration's own rows), or ``step=iteration`` without one. Generation runs
-    without gradients under forked RNGs and the actor's train/eval modes are restored, so
-    training is bitwise what it is without this callback. :attr:`history` is kept in
-    :meth:`state_dict`, so a resumed run keeps the earlier evaluations.
+    logger; other ranks skip. Rows take the next step of the run log's axis
+    (``pl_module.run_log``, after the iteration's own rows). Generation runs without gradients
+    under forked RNGs and the actor's train/eval modes are restored, so training is bitwise
+    what it is without this callback. The entries are recorded in the run log (saved with the
+    run, so a resumed run keeps the earlier evaluations; the reward curve and the run summary
+    read them there); :attr:`history` is this prefix's.
 
     From YAML / the command line: ``--trainer.callbacks+=lppo.callbacks.Evaluation
     --trainer.callbacks.every_n_iterations=10``.
@@ -169,7 +170,12 @@ class Evaluation(PPOCallback):
         self.task = task
         self.prefix = prefix
         self.prompts: list[Prompt] | None = None
-        self.history: list[dict[str, float]] = []
+        self.run_log = RunLog()  # the run's, from the module at setup / evaluate
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """This prefix's evaluations in the run log, in iteration order."""
+        return self.run_log.evaluations.get(self.prefix, [])
 
     @property
     def state_key(self) -> str:
@@ -189,6 +195,7 @@ class Evaluation(PPOCallback):
                 f"two Evaluation callbacks log under Evaluation.prefix={self.prefix!r}; "
                 "give each its own prefix."
             )
+        self.run_log = pl_module.run_log
         if self.prompts is None:
             # Lightning sets callbacks up before the module builds its rollout source
             # (configure_model), so the trained task is read from the module (model.task):
@@ -246,6 +253,7 @@ class Evaluation(PPOCallback):
         Raises:
             RewardError: the task's ``rewards`` failed (the message names the evaluation).
         """
+        self.run_log = pl_module.run_log
         if not trainer.is_global_zero or any(h["iteration"] == iteration for h in self.history):
             return None
         source = self._source(pl_module)
@@ -265,10 +273,11 @@ class Evaluation(PPOCallback):
         metrics["seconds"] = time.perf_counter() - clock
         row: dict[str, float] = {"iteration": iteration}
         row.update({f"{self.prefix}/{name}": v for name, v in metrics.items()})
-        step = self.log_row(trainer, row)
+        step = self.run_log.log(trainer.loggers, row)
+        for logger in trainer.loggers:
+            logger.save()
         entry = {"iteration": iteration, "step": step, **metrics}
-        self.history.append(entry)
-        self.history.sort(key=lambda h: h["iteration"])
+        self.run_log.add_evaluation(self.prefix, entry)
         return entry
 
     @staticmethod
@@ -286,32 +295,6 @@ class Evaluation(PPOCallback):
             )
         return source
 
-    @staticmethod
-    def log_row(trainer: pl.Trainer, row: dict[str, float]) -> int:
-        """Log ``row`` to every logger on :class:`PPOMetricsLogger`'s axis; returns the step.
-
-        Without a ``PPOMetricsLogger`` the step is the iteration index.
-        """
-        axis = next((cb for cb in trainer.callbacks if isinstance(cb, PPOMetricsLogger)), None)
-        if axis is not None:
-            step = axis.log_row(trainer, row)
-        else:
-            step = int(row["iteration"])
-            for logger in trainer.loggers:
-                logger.log_metrics(row, step=step)
-        for logger in trainer.loggers:
-            logger.save()
-        return step
-
     def points(self, metric: str = "reward_mean") -> list[tuple[int, float]]:
         """``(iteration, value)`` of ``metric`` for every evaluation so far, in order."""
         return [(int(h["iteration"]), float(h.get(metric, math.nan))) for h in self.history]
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The evaluation history (one dict of floats per evaluation)."""
-        return {"history": [dict(h) for h in self.history]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.history = [dict(h) for h in state_dict.get("history", [])]

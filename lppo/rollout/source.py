@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lppo.controller import IterationError
+from lppo.errors import IterationError
 from lppo.modules import ActorModule
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.replay.base import ReplayStore

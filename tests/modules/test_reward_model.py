@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _builders import VOCAB, random_rows, tiny_backbone, tiny_lm
+from _builders import VOCAB, random_rows, stored, tiny_backbone, tiny_lm
+from lppo.callbacks import lifecycle
 from test_cli import fit_args
 
 from lppo.chunks import iter_chunks
@@ -92,18 +93,18 @@ def test_controller_trains_on_the_combined_reward():
         ActorModule(tiny_lm(), lr=1e-3),
         CriticModule(tiny_backbone(), lr=1e-3),
         ReplayDataModule(max_tokens_per_chunk=30),
-        callbacks=[snap],
+        callbacks=[snap, *lifecycle()],
         reward_model=rm,
     )
-    result = ctl.run_iteration(rollout, iteration=0)
+    result = ctl.run_iteration(stored(ctl, rollout), iteration=0)
     raw = torch.stack(snap.rows[RM_SCORE])
     task = torch.stack(snap.rows[TASK_REWARD]).double()
     torch.testing.assert_close(task.float(), rollout.reward)
     norm = (raw - raw.mean()) / (raw.var(unbiased=False) + 1e-8).sqrt()
     want = (0.5 * task + norm).float()
     torch.testing.assert_close(torch.stack(snap.rows[REWARD]), want)
-    assert result.rollout["rm_score_mean"] == pytest.approx(float(raw.mean()))
-    assert result.rollout["reward_mean"] == pytest.approx(float(rollout.reward.double().mean()))
+    assert result.rollout.extra["rm_score_mean"] == pytest.approx(float(raw.mean()))
+    assert result.rollout.reward_mean == pytest.approx(float(rollout.reward.double().mean()))
 
 
 def test_reward_model_through_the_cli(tmp_path: Path):
