@@ -12,16 +12,12 @@ rollout source put them) and is, in order:
 4. **critic epochs**, then 5. **actor epochs**: ``begin → train_chunk* → finish`` per step;
 6. **release**: the rows leave the store exactly once.
 
-Optimizer steps, row retention and abort cleanup are done by callbacks that receive the
-controller's hooks (``lppo.callbacks.lifecycle()``, which :class:`~lppo.trainer.PPOTrainer`
-installs by default); the controller imports none of them and checks that each did its job
-(every step finished, the rows released).
+Optimizer steps, row retention and abort cleanup are done by the lifecycle callbacks
+(``lppo.callbacks.lifecycle()``); the controller imports none and checks that each did its job.
 
-Under data parallelism each rank puts the rows it generated (its own store, or its own row ids
-of a shared store) and every phase splits by owner: each rank scores, estimates and trains only
-its own rows. One all-gather of the rows' metadata per iteration gives every rank the same plan
-(global normalizers, equal chunk counts); statistics that span rows (rollout moments, whitening,
-group baselines, reward-model moments) are reduced through the parallel context.
+Under data parallelism each rank scores, estimates and trains only the rows it generated; one
+all-gather of the rows' metadata per iteration gives every rank the same plan (global
+normalizers, equal chunk counts), and statistics that span rows are reduced over the ranks.
 """
 
 from __future__ import annotations

@@ -137,18 +137,7 @@ class PPOSystem(LightningModule):
             return
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self.tokenizer = self._tokenizer()
-        tok = self.tokenizer
-        ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-        self.actor.configure_model(*ids)
-        for module in (self.critic, self.reward_model):
-            if module is not None:
-                module.configure_model(*ids)
-        self.actor.temperature = self.rollout.temperature
-        if self.ppo.kl_coef > 0:
-            self.reference = copy.deepcopy(self.actor)
-            self.reference.requires_grad_(False)
-            self.reference.eval()
+        self._configure_modules()
         trainer = attached_trainer(self)
         parallel = ParallelContext()
         callbacks: list[PPOCallback] = []
@@ -187,7 +176,7 @@ class PPOSystem(LightningModule):
                 f"parallelism ({parallel.data.size} ranks): a failure on one rank would leave "
                 "the others waiting in a collective; set it to 0."
             )
-        self.engine.setup(self.actor.policy(), tok, r)
+        self.engine.setup(self.actor.policy(), self.tokenizer, r)
         self.rollout_source = RolloutSource(
             self.task,
             self.engine,
@@ -198,6 +187,20 @@ class PPOSystem(LightningModule):
             store=data.store,
             rules=self.ppo.row_rules(),
         )
+
+    def _configure_modules(self) -> None:
+        """Build the tokenizer, actor, critic, reward model and the frozen reference."""
+        self.tokenizer = tok = self._tokenizer()
+        ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        self.actor.configure_model(*ids)
+        for module in (self.critic, self.reward_model):
+            if module is not None:
+                module.configure_model(*ids)
+        self.actor.temperature = self.rollout.temperature
+        if self.ppo.kl_coef > 0:
+            self.reference = copy.deepcopy(self.actor)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
 
     def _tokenizer(self) -> Any:
         if self.tokenizer_path is None:
