@@ -30,6 +30,7 @@ def main() -> None:
     import torch
     import transformers
 
+    from lppo.data_settings import DataSettings
     from lppo.planner import ChunkPlanner
     from lppo.types import RowMeta
 
@@ -41,7 +42,7 @@ def main() -> None:
     ]
     prompt_len = [len(p) for p in load_prompts(root, setup, n)]
     meta = RowMeta(ids=tuple(range(n)), lengths=tuple(len(r) for r in rows), valid_tokens=(64,) * n)
-    planner = ChunkPlanner(max_tokens_per_chunk=budget)
+    planner = ChunkPlanner(DataSettings(max_tokens_per_chunk=budget))
     chunks = []
     for epoch in range(epochs):
         step = planner.plan(meta, epoch=epoch, phase="floor").steps[0]

@@ -35,6 +35,7 @@ from _variants import (
 from torch import nn
 
 from lppo.chunks import iter_chunks
+from lppo.data_settings import DataSettings
 from lppo.modules import CriticModule
 from lppo.planner import ChunkPlanner
 from lppo.replay import ReplayStore
@@ -77,7 +78,7 @@ def worker(args: argparse.Namespace) -> Result:
     torch.set_num_threads(args.threads)
     res: Result = {"variant": args.worker, "rows": args.n_rows}
     res["threads"] = torch.get_num_threads()
-    planner = ChunkPlanner(max_tokens_per_chunk=args.chunk_tokens, seed=args.seed)
+    planner = ChunkPlanner(DataSettings(max_tokens_per_chunk=args.chunk_tokens, seed=args.seed))
     backbone = backbone_of(args)
     if args.worker == "paired":
         return worker_paired(args, planner, backbone, res)

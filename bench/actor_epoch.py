@@ -33,6 +33,7 @@ from _rows import iter_rows
 from _variants import build_backbone
 
 from lppo.chunks import iter_chunks
+from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, CriticModule
 from lppo.planner import ChunkPlanner
 from lppo.replay import MemoryReplayStore
@@ -139,7 +140,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     store = fill(args.rows, args.vocab)
-    planner = ChunkPlanner(max_tokens_per_chunk=args.chunk_tokens)
+    planner = ChunkPlanner(DataSettings(max_tokens_per_chunk=args.chunk_tokens))
     print(
         f"`python bench/actor_epoch.py {' '.join(sys.argv[1:])}` ({args.rows} rows, "
         f"chunk budget {args.chunk_tokens}, hidden {args.hidden}, {args.layers} layers, "

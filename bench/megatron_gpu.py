@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from lppo.chunks import iter_chunks
+from lppo.data_settings import DataSettings
 from lppo.planner import ChunkPlanner
 from lppo.replay import MemoryReplayStore
 from lppo.types import (
@@ -114,7 +115,7 @@ def build(role: str, args: argparse.Namespace):
 
 def lppo_step(module, store: MemoryReplayStore, budget: int, role: str) -> float:
     """One lifecycle step over every row with chunks of at most ``budget`` tokens."""
-    epoch = ChunkPlanner(budget, seed=0).plan(store.meta())
+    epoch = ChunkPlanner(DataSettings(budget, seed=0)).plan(store.meta())
     [step] = epoch.steps
     module.begin(step)
     for chunk in iter_chunks(store, step, NAMES[role]):

@@ -52,6 +52,7 @@ def worker(args: argparse.Namespace) -> dict:
     from _memory import PeakProbe, status_kib
     from _variants import build_backbone, epoch_streamed, make_critic
 
+    from lppo.data_settings import DataSettings
     from lppo.planner import ChunkPlanner
     from lppo.ray_runtime import RaySettings, configure_ray
     from lppo.replay import TransferQueueReplayStore
@@ -66,7 +67,7 @@ def worker(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         raw = ray.get(task.remote(store, _rows.iter_rows, args.worker, 0, 1024, 256))
         put_s = time.perf_counter() - t
-        planner = ChunkPlanner(max_tokens_per_chunk=8192, seed=0)
+        planner = ChunkPlanner(DataSettings(max_tokens_per_chunk=8192, seed=0))
         critic = make_critic(build_backbone(64, 2, 4, 1024, 0))
         epoch_streamed(critic, planner, store, epoch=0, max_chunks=2)  # warm-up
         probe = PeakProbe()

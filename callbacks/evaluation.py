@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import lightning.pytorch as pl
-import torch
-from lppo.callbacks.metrics_logger import PPOMetricsLogger
 
 from lppo.hooks import PPOCallback
-from lppo.rollout.base import GenerationOutput, RewardError, RolloutEngine, score
+from lppo.rollout.base import RewardError
+from lppo.run_log import RunLog
 from lppo.tasks.base import Prompt, Task
 from lppo.types import iteration_label
 from lppo.validation import callback_key, check_number
 
 if TYPE_CHECKING:
+    from lppo.rollout.source import RolloutSource
     from lppo.system import PPOSystem
 
 #: A sample is correct when its reward reaches this value (tasks give exactly 1.0 to the
@@ -96,44 +94,6 @@ def evaluation_metrics(
     return metrics
 
 
-@contextlib.contextmanager
-def undisturbed(module: torch.nn.Module) -> Iterator[None]:
-    """Run a block without gradients, then restore RNGs and every submodule's train/eval mode.
-
-    Forks torch's CPU RNG and that of every initialized CUDA device, and saves Python's
-    ``random`` state (and NumPy's, when installed), so whatever the block draws leaves the
-    training trajectory untouched.
-
-    Args:
-        module: the module whose (and whose submodules') ``training`` flags are restored.
-    """
-    modes = [(m, m.training) for m in module.modules()]
-    python_state = random.getstate()
-    numpy_state = _numpy_state()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy_state is not None:
-            import numpy
-
-            numpy.random.set_state(numpy_state)
-        for m, training in modes:
-            m.training = training
-
-
-def _numpy_state() -> Any:
-    """NumPy's global RNG state, or ``None`` without NumPy."""
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy comes with torch / transformers
-        return None
-    return numpy.random.get_state()
-
-
 class Evaluation(PPOCallback):
     """Evaluates the policy during training on a fixed set of prompts drawn apart from training.
 
@@ -148,17 +108,19 @@ class Evaluation(PPOCallback):
 
     After every ``every_n_iterations``-th iteration and after the last one (``max_epochs``,
     ``max_steps`` or a requested stop; any other stop evaluates at the end of fit), global
-    rank zero generates ``samples_per_prompt`` responses per prompt with ``pl_module.engine``
-    (the run's ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them
+    rank zero generates ``samples_per_prompt`` responses per prompt through the run's rollout
+    source (``pl_module.rollout_source.evaluate``: the engine on the actor's current weights,
+    the run's ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them
     with one ``task.rewards`` call and logs ``<prefix>/reward_mean``, ``<prefix>/accuracy``
     (samples with reward 1.0, the reference answer), ``<prefix>/pass@1`` and
     ``<prefix>/pass@<k>`` (Chen et al.'s unbiased estimator averaged over prompts),
     ``<prefix>/response_length_mean`` and ``<prefix>/seconds``, with ``iteration``, to every
-    logger; other ranks skip. Rows take the next step of :class:`PPOMetricsLogger`'s axis
-    (after the iteration's own rows), or ``step=iteration`` without one. Generation runs
-    without gradients under forked RNGs and the actor's train/eval modes are restored, so
-    training is bitwise what it is without this callback. :attr:`history` is kept in
-    :meth:`state_dict`, so a resumed run keeps the earlier evaluations.
+    logger; other ranks skip. Rows take the next step of the run log's axis
+    (``pl_module.run_log``, after the iteration's own rows). Generation runs without gradients
+    under forked RNGs and the actor's train/eval modes are restored, so training is bitwise
+    what it is without this callback. The entries are recorded in the run log (saved with the
+    run, so a resumed run keeps the earlier evaluations; the reward curve and the run summary
+    read them there); :attr:`history` is this prefix's.
 
     From YAML / the command line: ``--trainer.callbacks+=lppo.callbacks.Evaluation
     --trainer.callbacks.every_n_iterations=10``.
@@ -168,8 +130,7 @@ class Evaluation(PPOCallback):
         num_prompts: held-out prompts.
         samples_per_prompt: responses per prompt, the ``k`` of pass@k.
         seed: seed of the held-out prompts and of their sampling.
-        greedy: decode greedily (argmax) instead of sampling; needs an engine whose
-            ``generate`` takes ``greedy=`` (``HFGenerateEngine`` does), and
+        greedy: decode greedily (argmax) instead of sampling (every rollout engine can); needs
             ``samples_per_prompt: 1`` (greedy samples of a prompt are identical).
         task: the task to draw prompts from and reward with (it must use the training task's
             vocabulary); ``None``: the trained task (``model.task``).
@@ -209,7 +170,12 @@ class Evaluation(PPOCallback):
         self.task = task
         self.prefix = prefix
         self.prompts: list[Prompt] | None = None
-        self.history: list[dict[str, float]] = []
+        self.run_log = RunLog()  # the run's, from the module at setup / evaluate
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """This prefix's evaluations in the run log, in iteration order."""
+        return self.run_log.evaluations.get(self.prefix, [])
 
     @property
     def state_key(self) -> str:
@@ -218,11 +184,10 @@ class Evaluation(PPOCallback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check the settings against the engine and draw the held-out prompts.
+        """Check the settings against the other callbacks and draw the held-out prompts.
 
         Raises:
-            ValueError: another ``Evaluation`` uses the same ``prefix``, or ``greedy`` is set
-                and the engine's ``generate`` takes no ``greedy`` argument.
+            ValueError: another ``Evaluation`` uses the same ``prefix``.
         """
         others = [cb for cb in trainer.callbacks if isinstance(cb, Evaluation) and cb is not self]
         if any(cb.prefix == self.prefix for cb in others):
@@ -230,14 +195,13 @@ class Evaluation(PPOCallback):
                 f"two Evaluation callbacks log under Evaluation.prefix={self.prefix!r}; "
                 "give each its own prefix."
             )
-        system = cast("PPOSystem", pl_module)
-        if self.greedy and "greedy" not in inspect.signature(system.engine.generate).parameters:
-            raise ValueError(
-                f"Evaluation.greedy=true needs an engine whose generate() takes greedy=; "
-                f"{type(system.engine).__name__}.generate does not (set greedy=false)."
-            )
+        self.run_log = pl_module.run_log
         if self.prompts is None:
-            self.prompts = self.draw_prompts(self.task if self.task is not None else system.task)
+            # Lightning sets callbacks up before the module builds its rollout source
+            # (configure_model), so the trained task is read from the module (model.task):
+            # drawing later would see a task restored from a checkpoint or advanced by training.
+            trained = cast("PPOSystem", pl_module).task
+            self.prompts = self.draw_prompts(self.task if self.task is not None else trained)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Evaluate after every ``every_n_iterations``-th iteration and after the last one."""
@@ -289,78 +253,48 @@ class Evaluation(PPOCallback):
         Raises:
             RewardError: the task's ``rewards`` failed (the message names the evaluation).
         """
+        self.run_log = pl_module.run_log
         if not trainer.is_global_zero or any(h["iteration"] == iteration for h in self.history):
             return None
-        system = cast("PPOSystem", pl_module)
-        task = self.task if self.task is not None else system.task
+        source = self._source(pl_module)
+        task = self.task if self.task is not None else source.task
         prompts = self.prompts if self.prompts is not None else self.draw_prompts(task)
         self.prompts = prompts
         clock = time.perf_counter()
-        with undisturbed(system.actor):
-            if system.rollout_source is not None:
-                system.rollout_source.sync()  # never evaluate weights older than the actor's
-            output = self.generate(system.engine, prompts)
-            try:
-                rewards = score(task, prompts, output).tolist()
-            except RewardError as error:
-                raise RewardError(
-                    f"{self.prefix} after {iteration_label(iteration)}: {error}"
-                ) from error
-        lengths = [float(m.sum()) for m in output.response_mask]
-        metrics = evaluation_metrics(rewards, lengths, self.samples_per_prompt)
+        k = self.samples_per_prompt
+        try:
+            samples = source.evaluate(prompts, k, self.seed, greedy=self.greedy, task=task)
+        except RewardError as error:
+            raise RewardError(
+                f"{self.prefix} after {iteration_label(iteration)}: {error}"
+            ) from error
+        lengths = [float(m.sum()) for m in samples.output.response_mask]
+        metrics = evaluation_metrics(samples.rewards, lengths, k)
         metrics["seconds"] = time.perf_counter() - clock
         row: dict[str, float] = {"iteration": iteration}
-        row.update({f"{self.prefix}/{k}": v for k, v in metrics.items()})
-        step = self.log_row(trainer, row)
-        entry = {"iteration": iteration, "step": step, **metrics}
-        self.history.append(entry)
-        self.history.sort(key=lambda h: h["iteration"])
-        return entry
-
-    def generate(self, engine: RolloutEngine, prompts: list[Prompt]) -> GenerationOutput:
-        """``samples_per_prompt`` responses per prompt from ``engine`` (greedy if asked).
-
-        Raises:
-            RuntimeError: the engine returned another number of samples.
-        """
-        k = self.samples_per_prompt
-        if self.greedy:
-            output = cast(Any, engine).generate(prompts, k, seed=self.seed, greedy=True)
-        else:
-            output = engine.generate(prompts, k, seed=self.seed)
-        if len(output) != len(prompts) * k:
-            raise RuntimeError(
-                f"{type(engine).__name__}.generate returned {len(output)} samples for "
-                f"{len(prompts)} prompts × {k}."
-            )
-        return output
-
-    @staticmethod
-    def log_row(trainer: pl.Trainer, row: dict[str, float]) -> int:
-        """Log ``row`` to every logger on :class:`PPOMetricsLogger`'s axis; returns the step.
-
-        Without a ``PPOMetricsLogger`` the step is the iteration index.
-        """
-        axis = next((cb for cb in trainer.callbacks if isinstance(cb, PPOMetricsLogger)), None)
-        if axis is not None:
-            step = axis.log_row(trainer, row)
-        else:
-            step = int(row["iteration"])
-            for logger in trainer.loggers:
-                logger.log_metrics(row, step=step)
+        row.update({f"{self.prefix}/{name}": v for name, v in metrics.items()})
+        step = self.run_log.log(trainer.loggers, row)
         for logger in trainer.loggers:
             logger.save()
-        return step
+        entry = {"iteration": iteration, "step": step, **metrics}
+        self.run_log.add_evaluation(self.prefix, entry)
+        return entry
+
+    @staticmethod
+    def _source(pl_module: pl.LightningModule) -> RolloutSource:
+        """The run's rollout source, which generates and rewards the evaluation samples.
+
+        Raises:
+            RuntimeError: the module has not built it yet (``PPOSystem.configure_model``).
+        """
+        source = cast("PPOSystem", pl_module).rollout_source
+        if source is None:
+            raise RuntimeError(
+                "Evaluation needs the module's rollout source, which PPOSystem.configure_model "
+                "builds; evaluate after the fit has set the module up."
+            )
+        return source
 
     def points(self, metric: str = "reward_mean") -> list[tuple[int, float]]:
         """``(iteration, value)`` of ``metric`` for every evaluation so far, in order."""
         return [(int(h["iteration"]), float(h.get(metric, math.nan))) for h in self.history]
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The evaluation history (one dict of floats per evaluation)."""
-        return {"history": [dict(h) for h in self.history]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.history = [dict(h) for h in state_dict.get("history", [])]

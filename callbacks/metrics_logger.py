@@ -11,20 +11,11 @@ import lightning.pytorch as pl
 import torch
 
 from lppo.hooks import IterationContext, PPOCallback
-from lppo.types import IterationResult, StepStats
+from lppo.run_log import RunLog
+from lppo.types import IterationResult, RolloutStats, StepStats
 
-#: Rollout statistics logged as ``rollout/<name>`` (missing ones are logged as NaN).
-ROLLOUT_KEYS: tuple[str, ...] = (
-    "reward_mean",
-    "reward_std",
-    "response_length_mean",
-    "invalid_rows",
-    "dropped_rows",
-    "kl_mean",
-    "mismatch_kl",
-    "mismatch_max_abs_log_ratio",
-    "mismatch_outside_fraction",
-)
+#: Rollout statistics always logged as ``rollout/<name>`` (NaN when not measured).
+ROLLOUT_KEYS: tuple[str, ...] = RolloutStats.names()
 
 #: ``StepStats.metrics`` keys always present in a ``<role>/...`` row (NaN when not reported).
 STEP_METRIC_KEYS: dict[str, tuple[str, ...]] = {
@@ -107,9 +98,11 @@ class PPOMetricsLogger(PPOCallback):
       ``perf/tokens_per_second/<phase>``, ``perf/seconds/<phase>``,
       ``perf/padding_fraction/<phase>`` (score, critic, actor) and ``perf/peak_memory_bytes``.
 
-    Every row carries ``iteration`` and gets its own step on one monotonically increasing axis
-    (saved in :meth:`state_dict`, so a resumed run continues it). :attr:`history` keeps one
-    summary dict per iteration for other callbacks.
+    A failed iteration gets one row: ``iteration/failed`` (1) and ``iteration/failed_total``.
+
+    Every row carries ``iteration`` and gets its own step on the run log's axis
+    (:class:`~lppo.run_log.RunLog`, saved with the run, so a resumed run continues it); the
+    run log's ``history`` keeps one summary dict per iteration for other callbacks.
 
     Args:
         log_steps: log the per-step critic / actor rows (the iteration row is always logged).
@@ -121,29 +114,40 @@ class PPOMetricsLogger(PPOCallback):
         super().__init__()
         self.log_steps = log_steps
         self.flush = flush
-        self.step = 0
-        self.history: list[dict[str, float]] = []
+        self.run_log = RunLog()
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """The run log's per-iteration summaries (``iteration``, ``step``, rewards, losses)."""
+        return self.run_log.history
 
     # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Take the system's run log (restored on resume before the first iteration)."""
+        self.run_log = pl_module.run_log
+
     def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
-        """Log the iteration that just finished."""
+        """Log the iteration that just finished (or failed)."""
         trainer = ctx.trainer
         if trainer is None:
             return
-        pl_module = trainer.lightning_module
-        if self.history and self.history[-1]["iteration"] == result.iteration:
+        self.run_log = run_log = ctx.run_log
+        if run_log.history and run_log.history[-1]["iteration"] == result.iteration:
             return  # already logged (hook called twice for the same iteration)
         iteration = int(result.iteration)
+        if result.failed:
+            failed = {"iteration/failed": 1.0, "iteration/failed_total": float(run_log.failed)}
+            run_log.log(trainer.loggers, {"iteration": float(iteration), **failed})
+            return
         if self.log_steps:
             for stats in result.steps:
-                row: dict[str, float] = {"iteration": iteration, **step_row(stats)}
-                self.log_row(trainer, row)
-        row = {"iteration": iteration, **self.iteration_row(result, pl_module)}
-        step = self.log_row(trainer, row)
+                run_log.log(trainer.loggers, {"iteration": iteration, **step_row(stats)})
+        row = {"iteration": iteration, **self.iteration_row(result, trainer.lightning_module)}
+        step = run_log.log(trainer.loggers, row)
         if self.flush:
             for logger in trainer.loggers:
                 logger.save()
-        self.history.append(
+        run_log.history.append(
             {
                 "iteration": iteration,
                 "step": step,
@@ -158,14 +162,7 @@ class PPOMetricsLogger(PPOCallback):
     @staticmethod
     def iteration_row(result: Any, pl_module: pl.LightningModule | None = None) -> dict[str, float]:
         """The ``rollout/*`` and ``perf/*`` metrics of one iteration result."""
-        row = {f"rollout/{k}": float(result.rollout.get(k, math.nan)) for k in ROLLOUT_KEYS}
-        row.update(
-            {
-                f"rollout/{k}": float(v)
-                for k, v in result.rollout.items()
-                if f"rollout/{k}" not in row
-            }
-        )
+        row = {f"rollout/{k}": float(v) for k, v in result.rollout.as_dict().items()}
         for phase in THROUGHPUT_PHASES:
             seconds = result.seconds.get(phase)
             tokens = result.tokens.get(phase)
@@ -176,21 +173,3 @@ class PPOMetricsLogger(PPOCallback):
         row.update({f"perf/padding_fraction/{k}": float(v) for k, v in padding.items()})
         row["perf/peak_memory_bytes"] = float(peak_memory_bytes(pl_module))
         return row
-
-    def log_row(self, trainer: pl.Trainer, row: dict[str, float]) -> int:
-        """Log ``row`` at the next step of the axis (the one owner of it); returns that step."""
-        step = self.step
-        for logger in trainer.loggers:
-            logger.log_metrics(row, step=step)
-        self.step += 1
-        return step
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The log-step axis position and the per-iteration history."""
-        return {"step": self.step, "history": [dict(h) for h in self.history]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; logging continues after the saved step."""
-        self.step = int(state_dict.get("step", 0))
-        self.history = [dict(h) for h in state_dict.get("history", [])]

@@ -138,8 +138,10 @@ class PPOProgress(PPOCallback):
         last = self.total is not None and iteration + 1 >= self.total
         if (iteration + 1) % self.every_n_iterations and not last:
             return
-        reward = float(result.rollout.get("reward_mean", math.nan))
-        std = float(result.rollout.get("reward_std", math.nan))
+        if result.failed:
+            self._println(f"{self._iteration_text(iteration)} | failed: {result.failed}")
+            return
+        reward, std = result.rollout.reward_mean, result.rollout.reward_std
         seconds = float(sum(result.seconds.values()))
         line = (
             f"{self._iteration_text(iteration)} | reward {_fmt(reward)} ± {_fmt(std)}"

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
-from lppo.callbacks.evaluation import Evaluation
 
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.types import IterationResult
@@ -21,24 +20,16 @@ def run_dir(trainer: pl.Trainer) -> str:
     return str(trainer.log_dir or os.getcwd())
 
 
-def evaluation_points(trainer: pl.Trainer) -> dict[str, list[tuple[int, float]]]:
-    """``{prefix: [(iteration, eval reward_mean), ...]}`` of the trainer's ``Evaluation``s."""
-    return {
-        cb.prefix: cb.points("reward_mean")
-        for cb in trainer.callbacks
-        if isinstance(cb, Evaluation) and cb.history
-    }
-
-
 class RewardCurve(PPOCallback):
     """Collects ``rollout/reward_mean`` ± ``reward_std`` per iteration and plots them.
 
     Points are read from the ``IterationResult`` of every ``on_iteration_end`` and kept in
     :meth:`state_dict`, so a resumed run plots the whole curve. At ``on_train_end`` the global
     rank zero writes a PNG (matplotlib, Agg canvas) to ``<dirpath>/<filename>``; when the
-    trainer has :class:`~lppo.callbacks.Evaluation` callbacks, their held-out
-    ``eval/reward_mean`` points (read from their history at that moment, so resumed runs
-    included) are drawn too, one series per ``prefix``.
+    run has held-out evaluations (:class:`~lppo.callbacks.Evaluation`), their
+    ``eval/reward_mean`` points (read from the run log at that moment, so resumed runs
+    included) are drawn too, one series per ``prefix``. The PNG's path is recorded in the run
+    log's ``files`` as ``reward_curve``.
 
     Args:
         filename: name of the PNG file.
@@ -74,16 +65,14 @@ class RewardCurve(PPOCallback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve :attr:`path` early so other callbacks can report it."""
-        self.resolve_path(trainer)
+        """Resolve :attr:`path` early and record it in the run log (the summary reports it)."""
+        pl_module.run_log.files["reward_curve"] = self.resolve_path(trainer)
 
     def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
-        """Record the reward of the iteration that just finished."""
-        point = (
-            int(result.iteration),
-            float(result.rollout.get("reward_mean", math.nan)),
-            float(result.rollout.get("reward_std", math.nan)),
-        )
+        """Record the reward of the iteration that just finished (a failed one has none)."""
+        if result.failed:
+            return
+        point = (int(result.iteration), result.rollout.reward_mean, result.rollout.reward_std)
         self.points = [p for p in self.points if p[0] != point[0]]
         self.points.append(point)
         self.points.sort(key=lambda p: p[0])
@@ -91,7 +80,7 @@ class RewardCurve(PPOCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the PNG (global rank zero only)."""
         path = self.resolve_path(trainer)
-        self.eval_points = evaluation_points(trainer)
+        self.eval_points = pl_module.run_log.evaluation_points("reward_mean")
         if trainer.is_global_zero:
             self.write(path)
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
-from lppo.callbacks.evaluation import Evaluation
-from lppo.callbacks.reward_plot import RewardCurve, run_dir
+from lppo.callbacks.reward_plot import run_dir
 
 from lppo.hooks import IterationContext, PPOCallback
+from lppo.run_log import RunLog
 from lppo.types import IterationResult
 from lppo.validation import callback_key, check_number
 
@@ -34,10 +34,10 @@ class RunSummary(PPOCallback):
     The summary holds: iterations run, reward of the first and last iteration, mean reward of
     the first and last ``window`` iterations, wall time (accumulated over resumes), and where
     the outputs are: each logger's folder and ``metrics.csv`` (for a
-    :class:`~lightning.pytorch.loggers.CSVLogger`), the :class:`RewardCurve` PNG, and the
-    checkpoint folder / best and last checkpoints of ``trainer.checkpoint_callback``; with
-    :class:`~lppo.callbacks.Evaluation` callbacks, ``evaluation`` holds each one's latest
-    held-out metrics under its ``prefix``.
+    :class:`~lightning.pytorch.loggers.CSVLogger`), the reward-curve PNG (the run log's
+    ``files``), and the checkpoint folder / best and last checkpoints of
+    ``trainer.checkpoint_callback``; with held-out evaluations in the run log,
+    ``evaluation`` holds each prefix's latest metrics.
 
     Rewards are collected from the ``IterationResult`` of each ``on_iteration_end`` and kept
     in :meth:`state_dict`.
@@ -68,16 +68,18 @@ class RunSummary(PPOCallback):
         self._start = time.monotonic()
 
     def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
-        """Record the reward of the iteration that just finished."""
+        """Record the reward of the iteration that just finished (a failed one has none)."""
+        if result.failed:
+            return
         iteration = int(result.iteration)
-        reward = float(result.rollout.get("reward_mean", math.nan))
+        reward = result.rollout.reward_mean
         self.rewards = [r for r in self.rewards if r[0] != iteration]
         self.rewards.append((iteration, reward))
         self.rewards.sort(key=lambda r: r[0])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the summary; rank zero writes ``summary.json`` and prints it."""
-        self.summary = self.build(trainer)
+        self.summary = self.build(trainer, pl_module.run_log)
         if not trainer.is_global_zero:
             return
         self.path = os.path.join(run_dir(trainer), self.filename)
@@ -93,8 +95,8 @@ class RunSummary(PPOCallback):
         now = time.monotonic() - self._start if self._start is not None else 0.0
         return self.elapsed_before + now
 
-    def build(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """The summary as a JSON-ready dict."""
+    def build(self, trainer: pl.Trainer, run_log: RunLog) -> dict[str, Any]:
+        """The summary as a JSON-ready dict (``run_log``: evaluations and files)."""
         rewards = [r for _, r in self.rewards]
         first = rewards[0] if rewards else None
         last = rewards[-1] if rewards else None
@@ -107,10 +109,7 @@ class RunSummary(PPOCallback):
                 entry["metrics_csv"] = os.path.join(logger.log_dir, "metrics.csv")
                 metrics_csv = metrics_csv or entry["metrics_csv"]
             loggers.append(entry)
-        curve = next((cb for cb in trainer.callbacks if isinstance(cb, RewardCurve)), None)
-        curve_path = None
-        if curve is not None:
-            curve_path = curve.path or curve.resolve_path(trainer)
+        curve_path = run_log.files.get("reward_curve")
         ckpt = trainer.checkpoint_callback
         checkpoints = None
         if ckpt is not None:
@@ -120,9 +119,9 @@ class RunSummary(PPOCallback):
                 "last": getattr(ckpt, "last_model_path", None) or None,
             }
         evaluation = {
-            cb.prefix: {k: _json_float(float(v)) for k, v in cb.history[-1].items()}
-            for cb in trainer.callbacks
-            if isinstance(cb, Evaluation) and cb.history
+            prefix: {k: _json_float(float(v)) for k, v in entries[-1].items()}
+            for prefix, entries in run_log.evaluations.items()
+            if entries
         }
         return {
             "iterations": len(self.rewards),

@@ -6,8 +6,9 @@ The main entry points, importable from the top level::
 """
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationError, PPOController
+from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.models import HFCausalLM

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from lppo.algorithms.kl import KLKind
+from lppo.replay.rollout_rows import RowRules
 from lppo.validation import SettingError, check_number
 
 
@@ -150,3 +151,7 @@ class PPOConfig:
                 "dropout the training forward pass would not give the old values; set "
                 "disable_dropout: true or old_values: score."
             )
+
+    def row_rules(self) -> RowRules:
+        """Which rows become invalid when they are put (``max_abs_reward``, ``mask_truncated``)."""
+        return RowRules(self.max_abs_reward, self.mask_truncated)

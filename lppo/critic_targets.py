@@ -1,13 +1,20 @@
-"""Old values from the critic's first training epoch (``model.ppo.old_values: critic``).
+"""Step 3 of an iteration, the advantages: now, or during the critic's first epoch.
 
-With one optimizer step per critic epoch, the critic's weights through its first epoch are the
-weights the score phase would have run it with, so that epoch's forward pass already computes
-the old values. :class:`FirstEpochTargets` turns them, chunk by chunk, into the advantages and
-returns that the estimator would have written after a score pass: one forward pass of the
-critic over every row fewer per iteration, and the same numbers up to round-off.
+:class:`AdvantagePhase` is the one place that decides when the advantage estimator runs
+(``model.ppo.old_values``) and checks that the estimator, the critic and that setting fit
+together. With ``old_values: score`` it runs the estimator on the scored rows.
+
+With ``old_values: critic`` and one optimizer step per critic epoch, the critic's weights
+through its first epoch are the weights the score phase would have run it with, so that
+epoch's forward pass already computes the old values. :class:`FirstEpochTargets` turns them,
+chunk by chunk, into the advantages and returns that the estimator would have written after a
+score pass: one forward pass of the critic over every row fewer per iteration, and the same
+numbers up to round-off.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
@@ -18,7 +25,43 @@ from lppo.estimators.base import (
     TargetMoments,
     ValueTargets,
 )
-from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk
+from lppo.modules import CriticModule
+from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk, RolloutStats
+
+__all__ = ["AdvantagePhase", "FirstEpochTargets", "check_critic", "check_old_values"]
+
+
+class AdvantagePhase:
+    """Runs the advantage estimator after the score phase, or hands it to the critic's epoch.
+
+    Args:
+        estimator: the advantage estimator.
+        critic: the value model (``None`` with a critic-free estimator).
+        config: the algorithm settings (``old_values``).
+
+    Raises:
+        ValueError: the estimator, the critic and ``model.ppo.old_values`` do not fit
+            together (the message names the keys and the fix).
+    """
+
+    def __init__(
+        self, estimator: AdvantageEstimator, critic: CriticModule | None, config: PPOConfig
+    ) -> None:
+        check_critic(critic, estimator)
+        check_old_values(config, estimator)
+        self.estimator = estimator
+        self.deferred = config.old_values == "critic"
+
+    def start(self, inputs: EstimatorInputs, stats: RolloutStats) -> FirstEpochTargets | None:
+        """Write the advantages now, or return the critic's first-epoch targets.
+
+        With ``old_values: score`` the estimator runs now and its metrics go into ``stats``;
+        with ``old_values: critic`` the returned targets write them during that epoch.
+        """
+        if self.deferred:
+            return FirstEpochTargets(cast(ValueTargets, self.estimator), inputs)
+        stats.update(self.estimator.estimate(inputs))
+        return None
 
 
 class FirstEpochTargets:
@@ -85,4 +128,25 @@ def check_old_values(config: PPOConfig, estimator: AdvantageEstimator) -> None:
             f"model.ppo.old_values=critic needs an estimator that uses the critic and has "
             f"per-row value targets (chunk_targets / finish_targets, like lppo.estimators.GAE); "
             f"model.estimator={type(estimator).__name__} has none. Set old_values: score."
+        )
+
+
+def check_critic(critic: CriticModule | None, estimator: AdvantageEstimator) -> None:
+    """Reject a critic the estimator ignores, or a missing critic it needs.
+
+    Raises:
+        ValueError: naming ``model.critic``, ``model.estimator`` and the fix.
+    """
+    name = type(estimator).__name__
+    uses = bool(getattr(estimator, "uses_critic", True))
+    if uses and critic is None:
+        raise ValueError(
+            f"model.critic is null but model.estimator={name} needs a critic (its values and "
+            "returns); give model.critic, or pick a critic-free estimator "
+            "(lppo.estimators.GRPO, RLOO, ReinforcePP)."
+        )
+    if not uses and critic is not None:
+        raise ValueError(
+            f"model.estimator={name} is critic-free: the critic would train on targets nobody "
+            "writes; set model.critic: null (or use lppo.estimators.GAE)."
         )

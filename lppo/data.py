@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 
 from lppo.chunks import iter_chunks
+from lppo.data_settings import DataSettings
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.planner import ChunkPlanner, EpochPlan, RowLayout
 from lppo.replay.base import ReplayStore
@@ -20,7 +21,9 @@ class ReplayDataModule(LightningDataModule):
     """Owns the iteration's replay store and streams planned chunks out of it.
 
     Nothing is materialized beyond the chunk being trained: :meth:`stream` reads each chunk's
-    rows from the store when the training loop reaches it and pads only that chunk.
+    rows from the store when the training loop reaches it and pads only that chunk. The
+    ``data:`` settings are validated once, here, into :attr:`settings` (a
+    :class:`~lppo.data_settings.DataSettings`); the planner is built once, by :meth:`configure`.
 
     Args:
         max_tokens_per_chunk: padded-token budget of one chunk (``rows × longest row``); the
@@ -35,6 +38,9 @@ class ReplayDataModule(LightningDataModule):
             (engines with fixed micro-batch shapes); requires ``drop_budget=0``.
         shuffle: shuffle rows every epoch.
         seed: base seed of the shuffles.
+
+    Raises:
+        ValueError: a bad setting, naming the key, the value and the fix.
     """
 
     def __init__(
@@ -48,26 +54,60 @@ class ReplayDataModule(LightningDataModule):
         max_tokens_per_score_chunk: int | None = None,
     ) -> None:
         super().__init__()
-        self.max_tokens_per_chunk = max_tokens_per_chunk
-        self.max_tokens_per_score_chunk = max_tokens_per_score_chunk
-        self.store: ReplayStore = store if store is not None else MemoryReplayStore()
-        self.drop_budget = drop_budget
-        self.fixed_rows_per_rank = fixed_rows_per_rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.group: ProcessGroup = SINGLE
-        self.planner = self._make_planner()
-
-    def _make_planner(self, **kwargs: Any) -> ChunkPlanner:
-        return ChunkPlanner(
-            max_tokens_per_chunk=self.max_tokens_per_chunk,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            drop_budget=self.drop_budget,
-            fixed_rows_per_rank=self.fixed_rows_per_rank,
-            max_tokens_per_score_chunk=self.max_tokens_per_score_chunk,
-            **kwargs,
+        # Built (and so validated) here, once: a bad ``data:`` value stops the run at setup.
+        self.settings = DataSettings(
+            max_tokens_per_chunk=max_tokens_per_chunk,
+            max_tokens_per_score_chunk=max_tokens_per_score_chunk,
+            drop_budget=drop_budget,
+            fixed_rows_per_rank=fixed_rows_per_rank,
+            shuffle=shuffle,
+            seed=seed,
         )
+        self.store: ReplayStore = store if store is not None else MemoryReplayStore()
+        self.group: ProcessGroup = SINGLE
+        self._planner: ChunkPlanner | None = None
+
+    @property
+    def max_tokens_per_chunk(self) -> int:
+        """``data.max_tokens_per_chunk`` (see :class:`DataSettings`)."""
+        return self.settings.max_tokens_per_chunk
+
+    @property
+    def max_tokens_per_score_chunk(self) -> int | None:
+        """``data.max_tokens_per_score_chunk`` as set (``None``: the training budget)."""
+        return self.settings.max_tokens_per_score_chunk
+
+    @property
+    def drop_budget(self) -> int:
+        """``data.drop_budget``."""
+        return self.settings.drop_budget
+
+    @property
+    def fixed_rows_per_rank(self) -> bool:
+        """``data.fixed_rows_per_rank``."""
+        return self.settings.fixed_rows_per_rank
+
+    @property
+    def shuffle(self) -> bool:
+        """``data.shuffle``."""
+        return self.settings.shuffle
+
+    @property
+    def seed(self) -> int:
+        """``data.seed``."""
+        return self.settings.seed
+
+    @property
+    def planner(self) -> ChunkPlanner:
+        """The chunk planner of this run, built by :meth:`configure`.
+
+        A caller that never configures (plain Python, one process, e.g. a
+        :class:`~lppo.controller.PPOController` built by hand) gets a single-process planner,
+        built on first use and kept.
+        """
+        if self._planner is None:
+            self._planner = ChunkPlanner(self.settings)
+        return self._planner
 
     def configure(
         self,
@@ -78,21 +118,32 @@ class ReplayDataModule(LightningDataModule):
         minibatches: int = 1,
         group: ProcessGroup = SINGLE,
     ) -> None:
-        """Rebuild the planner with what setup knows; connect the store across ``group``.
+        """Set up for a run: check the run's shape, build the planner, connect the store.
 
-        Collective over ``group`` (the data-parallel ranks): a shared store starts or attaches
-        to its services here, every rank on rank 0's (:meth:`ReplayStore.connect`).
+        The one call setup makes (:meth:`PPOSystem.configure_model`), so the planner is built
+        here, once per fit, for this rank of ``world_size``. Collective over ``group`` (the
+        data-parallel ranks): a shared store starts or attaches to its services here, every
+        rank on rank 0's (:meth:`ReplayStore.connect`).
+
+        Args:
+            world_size: data-parallel size.
+            rank: this process's data-parallel rank.
+            max_row_length: longest row the configuration can produce (prompt + new tokens).
+            rows_per_iteration: rows each iteration puts into the store, when known.
+            minibatches: the most optimizer steps per epoch any phase will ask for.
+            group: the data-parallel process group the store is shared across.
 
         Raises:
-            ValueError: naming the keys, the values and the fix.
+            ValueError: naming the keys, the values and the fix (:meth:`DataSettings.check_run`).
         """
-        self.planner = self._make_planner(
+        self.settings.check_run(
             world_size=world_size,
             rank=rank,
             max_row_length=max_row_length,
             rows_per_iteration=rows_per_iteration,
             minibatches=minibatches,
         )
+        self._planner = ChunkPlanner(self.settings, world_size=world_size, rank=rank)
         self.group = group
         self.store.connect(group)
 

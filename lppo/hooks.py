@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 
 from lppo.config import PPOConfig
+from lppo.run_log import RunLog
 from lppo.types import IterationResult, StepStats, iteration_label
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class IterationContext:
         rows_released: set by the callback that released the iteration's rows (the controller
             checks it at the end of the iteration).
         trainer: the Lightning trainer when run under one, else ``None``.
+        run_log: the run's metrics axis and history (the one place callbacks log rows and
+            find what other callbacks recorded).
         info: free-form per-iteration values callbacks may share (e.g. timings).
     """
 
@@ -60,6 +63,7 @@ class IterationContext:
     step_stats: list[StepStats] = field(default_factory=list)
     rows_released: bool = False
     trainer: Any = None
+    run_log: RunLog = field(default_factory=RunLog)
     info: dict[str, Any] = field(default_factory=dict)
 
     def where(self) -> str:
@@ -99,7 +103,11 @@ class PPOCallback(Callback):
         """A critic or actor epoch ended; its steps are in ``ctx.step_stats``."""
 
     def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
-        """Both phases are done; ``result`` is what the iteration did (rows not yet released)."""
+        """Both phases are done; ``result`` is what the iteration did (rows not yet released).
+
+        Also called for a failed iteration (``result.failed`` is its error; its rows were
+        released when it failed), after ``on_ppo_abort``.
+        """
 
     def on_ppo_abort(self, ctx: IterationContext, error: BaseException) -> None:
         """The iteration failed at ``ctx.where()``; clean up."""

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lppo.data_settings import DataSettings
 from lppo.types import Normalizers, RowMeta, StepPlan, iteration_label
-from lppo.validation import check_number
 
 
 class DropBudgetExceeded(RuntimeError):
@@ -98,108 +98,27 @@ class ChunkPlanner:
     """Plans token-budget chunks, shuffled minibatches and data-parallel shards.
 
     Args:
-        max_tokens_per_chunk: padded-token budget of one chunk (``rows × longest row``).
+        settings: the data group's settings (budgets, drop budget, fixed rows per rank,
+            shuffle, seed), validated when they were built.
         world_size: data-parallel size.
         rank: this process's data-parallel rank.
-        seed: base seed of the per-epoch shuffles.
-        shuffle: shuffle rows every epoch (``False`` keeps id order).
-        drop_budget: samples that may be lost per iteration (invalid rows plus rollout
-            failures) before the iteration fails.
-        fixed_rows_per_rank: every rank must train exactly the same number of rows per step
-            (engines with fixed micro-batch shapes). Incompatible with a drop budget.
-        max_row_length: longest row the configuration can produce (prompt + new tokens); when
-            given, a budget below it is rejected at construction.
-        rows_per_iteration: rows each iteration puts into the store, when known; used to check
-            divisibility at construction.
-        minibatches: optimizer steps per epoch this planner will be asked for (for the
-            divisibility check; :meth:`plan` takes the actual value).
-        max_tokens_per_score_chunk: padded-token budget of the chunks of no-grad passes
-            (``plan(..., no_grad=True)``: the score phase keeps no activations, so its chunks
-            can be larger); ``None``: ``max_tokens_per_chunk``.
+
+    Attributes:
+        max_tokens_per_chunk: padded-token budget of a chunk of a training pass.
+        max_tokens_per_score_chunk: padded-token budget of a chunk of a no-grad pass
+            (``plan(..., no_grad=True)``), resolved from the settings.
 
     Raises:
-        ValueError: an inconsistent configuration, with the keys, the values and the fix.
+        ValueError: ``rank`` and ``world_size`` are inconsistent.
     """
 
-    def __init__(
-        self,
-        max_tokens_per_chunk: int,
-        world_size: int = 1,
-        rank: int = 0,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_budget: int = 0,
-        fixed_rows_per_rank: bool = False,
-        max_row_length: int | None = None,
-        rows_per_iteration: int | None = None,
-        minibatches: int = 1,
-        max_tokens_per_score_chunk: int | None = None,
-    ) -> None:
-        score_budget = max_tokens_per_score_chunk
-        check_number(
-            "data.max_tokens_per_score_chunk",
-            score_budget,
-            integer=True,
-            low=1,
-            optional=True,
-            fix="null: the training budget, data.max_tokens_per_chunk.",
-        )
-        if score_budget is not None and (max_row_length or 1) > score_budget:
-            raise ValueError(
-                f"data.max_tokens_per_score_chunk={score_budget} is below the longest possible "
-                f"row ({max_row_length or 1} tokens); raise it to at least that, or set it to "
-                "null (the training budget, data.max_tokens_per_chunk)."
-            )
-        check_number(
-            "data.max_tokens_per_chunk",
-            max_tokens_per_chunk,
-            integer=True,
-            low=1,
-            fix="Set it to at least the longest row (prompt + max_new_tokens).",
-        )
-        check_number("data.drop_budget", drop_budget, integer=True, low=0)
-        check_number("data.seed", seed, integer=True, low=0)
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"data-parallel rank={rank} world_size={world_size} is inconsistent; "
-                "need world_size >= 1 and 0 <= rank < world_size."
-            )
-        if minibatches < 1:
-            raise ValueError(f"minibatches={minibatches} must be >= 1.")
-        if max_row_length is not None and max_tokens_per_chunk < max_row_length:
-            raise ValueError(
-                f"data.max_tokens_per_chunk={max_tokens_per_chunk} is below the longest possible "
-                f"row ({max_row_length} tokens = prompt + max_new_tokens); raise "
-                f"data.max_tokens_per_chunk to at least {max_row_length}, or shorten prompts / "
-                "max_new_tokens."
-            )
-        if fixed_rows_per_rank:
-            per_step = world_size * minibatches
-            if drop_budget > 0:
-                raise ValueError(
-                    f"data.drop_budget={drop_budget} with data.fixed_rows_per_rank=true: dropping "
-                    "any sample can leave a row count that no longer divides evenly over the "
-                    "data-parallel ranks and minibatches. Set data.drop_budget=0, or "
-                    "data.fixed_rows_per_rank=false (token-budget chunks with zero-weight "
-                    "padding keep normalization exact whatever is dropped)."
-                )
-            if rows_per_iteration is not None and rows_per_iteration % per_step != 0:
-                raise ValueError(
-                    f"rows per iteration = model.rollout.prompts_per_iteration x "
-                    f"model.rollout.samples_per_prompt = {rows_per_iteration} is not divisible by "
-                    f"data-parallel ranks x minibatches (model.ppo.*_minibatches) = {world_size} x "
-                    f"{minibatches} = {per_step} while data.fixed_rows_per_rank=true; make the "
-                    f"rows per iteration a multiple of {per_step}, or set "
-                    "data.fixed_rows_per_rank=false."
-                )
-        self.max_tokens_per_chunk = max_tokens_per_chunk
-        self.max_tokens_per_score_chunk = score_budget or max_tokens_per_chunk
+    def __init__(self, settings: DataSettings, world_size: int = 1, rank: int = 0) -> None:
+        settings.check_run(world_size=world_size, rank=rank)
+        self.settings = settings
         self.world_size = world_size
         self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.drop_budget = drop_budget
-        self.fixed_rows_per_rank = fixed_rows_per_rank
+        self.max_tokens_per_chunk = settings.max_tokens_per_chunk
+        self.max_tokens_per_score_chunk = settings.score_budget
 
     # ------------------------------------------------------------------ public
     def plan(
@@ -243,22 +162,11 @@ class ChunkPlanner:
         keys = range(len(meta.ids))
         if owners is not None and len(owners) != len(meta.ids):
             raise ValueError(f"{len(owners)} owners for {len(meta.ids)} rows")
-        longest = max(meta.lengths, default=0)
-        budget = self.max_tokens_per_score_chunk if no_grad else self.max_tokens_per_chunk
-        if longest > budget:
-            worst = meta.ids[meta.lengths.index(longest)]
-            key = "max_tokens_per_score_chunk" if no_grad else "max_tokens_per_chunk"
-            raise ValueError(
-                f"row {worst} has {longest} tokens, above data.{key}={budget}; raise "
-                f"data.{key} to at least {longest}."
-            )
+        budget = self._budget(meta, no_grad)
         valid = [k for k in keys if meta.valid_tokens[k] > 0]
         invalid = tuple(meta.ids[k] for k in keys if meta.valid_tokens[k] == 0)
         self._check_counts(len(meta.ids), len(valid), len(invalid), dropped, iteration, minibatches)
-        order = list(valid)
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(_seed(self.seed, phase, iteration, epoch))
-            order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
+        order = self._shuffled(valid, phase, iteration, epoch)
         steps = [
             self._plan_step(rows, meta, owners, epoch, k, budget)
             for k, rows in enumerate(self._minibatches(order, owners, minibatches))
@@ -271,14 +179,35 @@ class ChunkPlanner:
         )
 
     # ----------------------------------------------------------------- helpers
+    def _budget(self, meta: RowMeta, no_grad: bool) -> int:
+        """The chunk budget of this pass; every row must fit in it."""
+        budget = self.max_tokens_per_score_chunk if no_grad else self.max_tokens_per_chunk
+        longest = max(meta.lengths, default=0)
+        if longest > budget:
+            worst = meta.ids[meta.lengths.index(longest)]
+            key = "max_tokens_per_score_chunk" if no_grad else "max_tokens_per_chunk"
+            raise ValueError(
+                f"row {worst} has {longest} tokens, above data.{key}={budget}; raise "
+                f"data.{key} to at least {longest}."
+            )
+        return budget
+
+    def _shuffled(self, valid: list[int], phase: str, iteration: int, epoch: int) -> list[int]:
+        """``valid`` in this epoch's order: a permutation seeded by the epoch's identity."""
+        if not self.settings.shuffle:
+            return list(valid)
+        seed = _seed(self.settings.seed, phase, iteration, epoch)
+        gen = torch.Generator().manual_seed(seed)
+        return [valid[i] for i in torch.randperm(len(valid), generator=gen).tolist()]
+
     def _check_counts(
         self, rows: int, valid: int, invalid: int, dropped: int, iteration: int, minibatches: int
     ) -> None:
-        lost = invalid + dropped
-        if lost > self.drop_budget:
+        lost, budget = invalid + dropped, self.settings.drop_budget
+        if lost > budget:
             raise DropBudgetExceeded(
                 f"{lost} samples lost this iteration ({invalid} invalid rows, {dropped} "
-                f"dropped before the store) exceed data.drop_budget={self.drop_budget}; raise "
+                f"dropped before the store) exceed data.drop_budget={budget}; raise "
                 "data.drop_budget or fix the rollouts that produce empty / masked responses."
             )
         if not valid:
@@ -290,12 +219,12 @@ class ChunkPlanner:
         if minibatches < 1:
             raise ValueError(f"minibatches={minibatches} must be >= 1.")
         world = self.world_size
-        if valid < minibatches * (world if self.fixed_rows_per_rank else 1):
+        if valid < minibatches * (world if self.settings.fixed_rows_per_rank else 1):
             raise ValueError(
                 f"{valid} valid rows cannot fill {minibatches} minibatches; lower the "
                 "number of minibatches or collect more rows per iteration."
             )
-        if self.fixed_rows_per_rank and valid % (world * minibatches) != 0:
+        if self.settings.fixed_rows_per_rank and valid % (world * minibatches) != 0:
             raise ValueError(
                 f"{valid} valid rows are not divisible by {world} ranks x "
                 f"{minibatches} minibatches while data.fixed_rows_per_rank=true."
@@ -309,7 +238,7 @@ class ChunkPlanner:
         With ``fixed_rows_per_rank`` and owned rows, each rank's own rows (in shuffled order)
         are split instead, so every rank holds the same number of rows of every step.
         """
-        if owners is None or not self.fixed_rows_per_rank or self.world_size == 1:
+        if owners is None or not self.settings.fixed_rows_per_rank or self.world_size == 1:
             return _split(order, minibatches)
         own = [[k for k in order if owners[k] == r] for r in range(self.world_size)]
         if len({len(rows) for rows in own}) > 1:
@@ -338,7 +267,7 @@ class ChunkPlanner:
                 self._pack([k for k in rows if owners[k] == r], length, budget)
                 for r in range(world)
             ]
-        elif self.fixed_rows_per_rank:
+        elif self.settings.fixed_rows_per_rank:
             per_rank = [self._pack(share, length, budget) for share in _split(rows, world)]
         else:
             chunks = self._pack(rows, length, budget)

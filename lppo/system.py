@@ -12,8 +12,9 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.checkpointing import SETTINGS_KEY, CheckpointError, run_settings, settings_changes
 from lppo.config import PPOConfig
-from lppo.controller import IterationError, PPOController
+from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator
 from lppo.failure_policy import FailurePolicy
 from lppo.hooks import PPOCallback
@@ -21,8 +22,8 @@ from lppo.loop import attached_trainer, instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
-from lppo.replay.rollout_rows import RowRules
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
+from lppo.run_log import RunLog
 from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task
 from lppo.tokenizer import build_char_tokenizer
@@ -125,7 +126,9 @@ class PPOSystem(LightningModule):
         self.tokenizer: Any = None
         self.controller: PPOController | None = None
         self.rollout_source: RolloutSource | None = None
-        self.failures = FailurePolicy(ppo.max_failed_iterations)
+        #: The run's metrics axis and history (handed to every hook; saved in checkpoints).
+        self.run_log = RunLog()
+        self.failures = FailurePolicy(ppo.max_failed_iterations, self.run_log)
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
@@ -134,18 +137,7 @@ class PPOSystem(LightningModule):
             return
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self.tokenizer = self._tokenizer()
-        tok = self.tokenizer
-        ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-        self.actor.configure_model(*ids)
-        for module in (self.critic, self.reward_model):
-            if module is not None:
-                module.configure_model(*ids)
-        self.actor.temperature = self.rollout.temperature
-        if self.ppo.kl_coef > 0:
-            self.reference = copy.deepcopy(self.actor)
-            self.reference.requires_grad_(False)
-            self.reference.eval()
+        self._configure_modules()
         trainer = attached_trainer(self)
         parallel = ParallelContext()
         callbacks: list[PPOCallback] = []
@@ -176,6 +168,7 @@ class PPOSystem(LightningModule):
             parallel=parallel,
             trainer=trainer,
             reward_model=self.reward_model,
+            run_log=self.run_log,
         )
         if parallel.data.size > 1 and self.ppo.max_failed_iterations:
             raise SettingError(
@@ -183,7 +176,7 @@ class PPOSystem(LightningModule):
                 f"parallelism ({parallel.data.size} ranks): a failure on one rank would leave "
                 "the others waiting in a collective; set it to 0."
             )
-        self.engine.setup(self.actor.policy(), tok, r)
+        self.engine.setup(self.actor.policy(), self.tokenizer, r)
         self.rollout_source = RolloutSource(
             self.task,
             self.engine,
@@ -192,19 +185,22 @@ class PPOSystem(LightningModule):
             seed=self.seed,
             group=parallel.data,
             store=data.store,
-            rules=RowRules.of(self.ppo),
+            rules=self.ppo.row_rules(),
         )
 
-    def _log_failure(self, iteration: int) -> None:
-        """Log a skipped iteration on the metrics logger's step axis."""
-        trainer = attached_trainer(self)
-        from lppo.callbacks import PPOMetricsLogger
-
-        for cb in getattr(trainer, "callbacks", None) or []:
-            if isinstance(cb, PPOMetricsLogger):
-                row = {"iteration": float(iteration), "iteration/failed": 1.0}
-                row["iteration/failed_total"] = float(self.failures.failed)
-                cb.log_row(trainer, row)
+    def _configure_modules(self) -> None:
+        """Build the tokenizer, actor, critic, reward model and the frozen reference."""
+        self.tokenizer = tok = self._tokenizer()
+        ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        self.actor.configure_model(*ids)
+        for module in (self.critic, self.reward_model):
+            if module is not None:
+                module.configure_model(*ids)
+        self.actor.temperature = self.rollout.temperature
+        if self.ppo.kl_coef > 0:
+            self.reference = copy.deepcopy(self.actor)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
 
     def _tokenizer(self) -> Any:
         if self.tokenizer_path is None:
@@ -234,24 +230,18 @@ class PPOSystem(LightningModule):
 
     def teardown(self, stage: str) -> None:
         """Stop what the engine started (Ray rollout workers); other engines hold nothing."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the task's state, the failure and skip counters and the run's settings."""
+        """Add the task's state, the run log (with the failure count) and the run's settings."""
         checkpoint["lppo_task"] = self.task.state_dict()
-        checkpoint["lppo_failed_iterations"] = self.failures.failed
-        if self.controller is not None:  # e.g. OptimizerStep's per-run skipped-step count
-            checkpoint["lppo_builtin_callbacks"] = self.controller.installed_state()
+        checkpoint["lppo_run_log"] = self.run_log.state_dict()
         checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(attached_trainer(self)))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the task's state, so a resumed run continues its prompts where it stopped."""
         self.task.load_state_dict(checkpoint.get("lppo_task", {}))
-        self.failures.failed = int(checkpoint.get("lppo_failed_iterations", 0))
-        if self.controller is not None:
-            self.controller.load_installed_state(checkpoint.get("lppo_builtin_callbacks", {}))
+        self.run_log.load_state_dict(checkpoint.get("lppo_run_log", {}))
         saved = checkpoint.get(SETTINGS_KEY)
         trainer = attached_trainer(self)
         if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)
@@ -299,19 +289,18 @@ class PPOSystem(LightningModule):
         self.configure_model()
         assert self.controller is not None and self.rollout_source is not None
         clock = time.perf_counter()
+        fatal: IterationError | None = None
         try:
             # 1. rollout (each rank generates its own blocks of prompts)
             rollout = self.rollout_source.collect(iteration)
             # 2. score → advantages → critic epochs → actor epochs → release
-            result = self.controller.run_iteration(
-                rollout,
-                iteration,
-                dropped=rollout.dropped,
-                rollout_seconds=time.perf_counter() - clock,
-            )
+            seconds = time.perf_counter() - clock
+            result = self.controller.run_iteration(rollout, iteration, rollout_seconds=seconds)
         except IterationError as error:  # cleaned up already; skipped or re-raised
-            result = self.failures.absorb(iteration, error)
-            self._log_failure(iteration)
+            result, fatal = self.failures.absorb(iteration, error)
+            self.controller.end_failed(result)  # a failed iteration is an iteration
+        if fatal is not None:
+            raise fatal
         # 3. the engine samples the next rollout from the weights the actor phase produced
         self.rollout_source.sync()
         return result

@@ -7,11 +7,10 @@ import warnings
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lppo.callbacks.iteration_checkpoint import IterationCheckpoint
+from lppo.callbacks import IterationCheckpoint, defaults
 from lppo.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
 from lppo.loop import install
 from lppo.ray_runtime import RaySettings
@@ -19,29 +18,6 @@ from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strateg
 
 # The frozen reference policy is in eval mode on purpose.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-
-
-def default_callbacks() -> list[Callback]:
-    """The monitoring and checkpoint callbacks every run gets unless one of the type is given.
-
-    The lifecycle callbacks (``OptimizerStep``, ``RowRetention``, ``AbortCleanup``) are not
-    here: the controller installs them, for Lightning and plain-Python runs alike.
-    """
-    from lppo.callbacks import (
-        IterationCheckpoint,
-        PPOMetricsLogger,
-        PPOProgress,
-        RewardCurve,
-        RunSummary,
-    )
-
-    return [
-        PPOMetricsLogger(),
-        RewardCurve(),
-        PPOProgress(),
-        RunSummary(),
-        IterationCheckpoint(),
-    ]
 
 
 _DEFAULTS: dict[str, Any] = {
@@ -57,12 +33,14 @@ class PPOTrainer(Trainer):
     """A ``Trainer`` whose epoch is one RL iteration (``max_epochs`` = iterations).
 
     Differences from a plain ``Trainer``: the fit loop is :class:`lppo.loop.PPOFitLoop`;
-    lppo's monitoring and checkpoint callbacks are added when absent (the per-iteration
-    checkpoint not with ``enable_checkpointing=False``); the default logger writes
-    ``<default_root_dir>/version_N/metrics.csv`` (one folder per launch, so a resumed run keeps
-    the earlier metrics) and checkpoints go to ``<default_root_dir>/checkpoints``; Lightning's
-    batch progress bar, model summary, sanity check and validation are off. ``global_step``
-    counts actor optimizer steps (on every rank).
+    lppo's built-in callbacks (:func:`lppo.callbacks.defaults`: lifecycle, monitoring and
+    checkpoint) are added when no callback of their type is given (the per-iteration
+    checkpoint not with ``enable_checkpointing=False``), and Lightning saves their state;
+    the default logger writes ``<default_root_dir>/version_N/metrics.csv`` (one folder per
+    launch, so a resumed run keeps the earlier metrics) and checkpoints go to
+    ``<default_root_dir>/checkpoints``; Lightning's batch progress bar, model summary, sanity
+    check and validation are off. ``global_step`` counts actor optimizer steps (on every
+    rank).
 
     Data parallelism: ``strategy="ppo_ddp"`` (:class:`lppo.strategy.PPODDPStrategy`) with
     ``devices > 1`` (or ``num_nodes > 1``); Lightning's own multi-process strategies are
@@ -89,12 +67,8 @@ class PPOTrainer(Trainer):
             kwargs["logger"] = CSVLogger(root, name="")
         callbacks = list(kwargs.get("callbacks") or [])
         # enable_checkpointing=False: no per-iteration checkpoint (Lightning's own switch).
-        no_checkpoints = kwargs.get("enable_checkpointing") is False
-        for cb in default_callbacks():
-            if no_checkpoints and isinstance(cb, IterationCheckpoint):
-                continue
-            if not any(isinstance(c, type(cb)) for c in callbacks):
-                callbacks.append(cb)
+        checkpoints = kwargs.get("enable_checkpointing") is not False
+        callbacks += defaults(callbacks, checkpoints=checkpoints)
         for cb in callbacks:
             if isinstance(cb, IterationCheckpoint) and cb.dirpath is None:
                 # Fixed folder (not per logger version) so `--ckpt_path last` finds it.

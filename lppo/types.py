@@ -9,7 +9,8 @@ always ``False`` and every token-level field holds 0 there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -223,25 +224,79 @@ class StepStats:
 
 
 @dataclass
+class RolloutStats:
+    """An iteration's rollout statistics, over every rank's rows (logged as ``rollout/<name>``).
+
+    Every field is a float; NaN when the iteration did not measure it (a failed iteration
+    measures nothing).
+
+    Attributes:
+        reward_mean: mean reward of the samples (finite rewards, as the task gave them).
+        reward_std: their population standard deviation.
+        response_length_mean: mean response tokens per sample (as generated).
+        invalid_rows: rows with no valid response token (never trained on).
+        dropped_rows: samples lost before reaching the store.
+        bad_rewards: rows whose reward was non-finite or out of bounds.
+        kl_mean: mean per-token KL to the reference (estimators that report it).
+        mismatch_kl: engine/trainer mismatch ``KL(μ‖π_old)`` per sampled token.
+        mismatch_max_abs_log_ratio: ``max |log π_old − log μ|``.
+        mismatch_outside_fraction: sampled tokens whose importance weight lies outside the
+            off-policy correction's bounds.
+        extra: what the estimator and the reward model report besides (e.g.
+            ``advantage_abs_mean``, ``rm_score_mean``).
+    """
+
+    reward_mean: float = math.nan
+    reward_std: float = math.nan
+    response_length_mean: float = math.nan
+    invalid_rows: float = math.nan
+    dropped_rows: float = math.nan
+    bad_rewards: float = math.nan
+    kl_mean: float = math.nan
+    mismatch_kl: float = math.nan
+    mismatch_max_abs_log_ratio: float = math.nan
+    mismatch_outside_fraction: float = math.nan
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The typed statistics, in order (always logged, NaN when not measured)."""
+        return tuple(f.name for f in fields(cls) if f.name != "extra")
+
+    def update(self, metrics: Mapping[str, float]) -> None:
+        """Take ``metrics``: a typed statistic by its name, anything else into :attr:`extra`."""
+        typed = self.names()
+        for name, value in metrics.items():
+            if name in typed:
+                setattr(self, name, float(value))
+            else:
+                self.extra[name] = float(value)
+
+    def as_dict(self) -> dict[str, float]:
+        """Every typed statistic, then the extras: ``name -> value``."""
+        return {**{name: getattr(self, name) for name in self.names()}, **self.extra}
+
+
+@dataclass
 class IterationResult:
     """What one RL iteration did; handed to ``on_iteration_end`` and returned by the controller.
 
     Attributes:
         iteration: RL iteration index.
-        rollout: rollout metrics (``reward_mean``, ``reward_std``, ``response_length_mean``,
-            ``invalid_rows``, ``dropped_rows``, ``kl_mean``, and what the advantage estimator
-            reports).
+        rollout: the rollout statistics (what the advantage estimator and the reward model
+            report among its extras).
         steps: stats of every critic and actor step, in order.
         seconds: wall time per phase (``rollout``, ``collect``, ``score``, ``advantages``,
             ``critic``, ``actor``).
         tokens: real tokens processed per phase (``rollout``: response tokens generated).
         padding: padded-but-empty fraction of the token slots per chunked phase (``score``,
             ``critic``, ``actor``; the planner's ``padding_fraction``, mean over epochs).
-        failed: the error of an iteration skipped by the failure policy (``""``: it ran).
+        failed: the error of a failed iteration (``""``: it ran); a failed iteration still
+            reaches ``on_iteration_end``, with no statistics and no steps.
     """
 
     iteration: int
-    rollout: dict[str, float]
+    rollout: RolloutStats
     steps: list[StepStats]
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)

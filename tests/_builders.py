@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
+from lppo.controller import PPOController
 from lppo.replay import MemoryReplayStore
+from lppo.replay.rollout_rows import StoredRollout, put_rollout
 from lppo.types import (
     ADVANTAGES,
     INPUT_IDS,
@@ -14,6 +16,7 @@ from lppo.types import (
     RETURNS,
     REWARD,
     VALUES,
+    Rollout,
 )
 
 VOCAB = 23
@@ -89,3 +92,9 @@ def filled_store(cols: dict[str, list[torch.Tensor]]) -> MemoryReplayStore:
     n = len(cols[INPUT_IDS])
     store.put(list(range(n)), cols)
     return store
+
+
+def stored(controller: PPOController, rollout: Rollout) -> StoredRollout:
+    """Put ``rollout`` into ``controller``'s store as the rollout source would (its row rules)."""
+    store = controller.data.store
+    return put_rollout(store, store.allocate(len(rollout)), rollout, controller.config.row_rules())

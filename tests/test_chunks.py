@@ -6,6 +6,7 @@ import torch
 from _builders import filled_store, random_rows
 
 from lppo.chunks import NAMED_COLUMNS, collate, iter_chunks, pad_rows, padding_chunk, read_chunk
+from lppo.data_settings import DataSettings
 from lppo.planner import ChunkPlanner
 from lppo.types import (
     ADVANTAGES,
@@ -204,7 +205,9 @@ def test_planner_and_chunks_cover_every_valid_token_once() -> None:
         tokens = 0
         rows: list[int] = []
         for rank in range(world):
-            planner = ChunkPlanner(budget, world_size=world, rank=rank, seed=5, drop_budget=2)
+            planner = ChunkPlanner(
+                DataSettings(budget, seed=5, drop_budget=2), world_size=world, rank=rank
+            )
             epoch = planner.plan(meta, minibatches=2)
             for step in epoch.steps:
                 for chunk in iter_chunks(store, step, ALL_NAMED):

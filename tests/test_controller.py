@@ -6,13 +6,15 @@ import copy
 
 import pytest
 import torch
-from _builders import random_rows, tiny_backbone, tiny_lm
+from _builders import random_rows, stored, tiny_backbone, tiny_lm
+from lppo.callbacks import lifecycle
 
 from lppo.algorithms import advantages_and_returns, kl_penalty, token_rewards
 from lppo.chunks import read_chunk
 from lppo.config import PPOConfig
-from lppo.controller import IterationError, PPOController
+from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.estimators import GAE
 from lppo.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
@@ -62,7 +64,13 @@ def make_controller(store=None, budget=30, drop_budget=0, callbacks=(), **cfg):
     gae = {k: cfg.pop(k) for k in ("gamma", "lam", "lam_returns", "whiten") if k in cfg}
     config = PPOConfig(**cfg)
     return PPOController(
-        actor, critic, data, config, reference=reference, callbacks=callbacks, estimator=GAE(**gae)
+        actor,
+        critic,
+        data,
+        config,
+        reference=reference,
+        callbacks=[*callbacks, *lifecycle(callbacks)],
+        estimator=GAE(**gae),
     )
 
 
@@ -89,7 +97,7 @@ def test_rows_retained_through_every_epoch_and_released_once():
     ctl = make_controller(
         store, callbacks=[probe], critic_epochs=3, actor_epochs=2, actor_minibatches=2
     )
-    result = ctl.run_iteration(make_rollout(6, 0), iteration=0)
+    result = ctl.run_iteration(stored(ctl, make_rollout(6, 0)), iteration=0)
     assert [(p, e) for p, e, _, _ in probe.epochs] == [
         ("critic", 0),
         ("critic", 1),
@@ -108,8 +116,8 @@ def test_rows_retained_through_every_epoch_and_released_once():
 def test_invalid_rows_never_trained_but_counted_and_released():
     store = CountingStore()
     ctl = make_controller(store, drop_budget=2)
-    result = ctl.run_iteration(make_rollout(5, 1, invalid=2), iteration=0)
-    assert result.rollout["invalid_rows"] == 2
+    result = ctl.run_iteration(stored(ctl, make_rollout(5, 1, invalid=2)), iteration=0)
+    assert result.rollout.invalid_rows == 2
     assert result.steps[0].valid_rows == 3
     assert store.release_calls == [tuple(range(5))]
 
@@ -118,8 +126,8 @@ def test_non_finite_reward_makes_row_invalid():
     rollout = make_rollout(4, 2)
     rollout.reward[1] = float("nan")
     ctl = make_controller(drop_budget=1)
-    result = ctl.run_iteration(rollout, iteration=0)
-    assert result.rollout["invalid_rows"] == 1
+    result = ctl.run_iteration(stored(ctl, rollout), iteration=0)
+    assert result.rollout.invalid_rows == 1
     assert result.steps[0].valid_rows == 3
 
 
@@ -128,7 +136,7 @@ def test_no_valid_row_fails_before_any_optimizer_step_and_releases():
     ctl = make_controller(store, drop_budget=10)
     before = copy.deepcopy(ctl.actor.state_dict()), copy.deepcopy(ctl.critic.state_dict())
     with pytest.raises(IterationError, match="iteration 1, phase score") as info:
-        ctl.run_iteration(make_rollout(3, 3, invalid=3), iteration=0)
+        ctl.run_iteration(stored(ctl, make_rollout(3, 3, invalid=3)), iteration=0)
     assert isinstance(info.value.__cause__, NoValidRows)
     assert ctl.actor.optimizer is None and ctl.critic.optimizer is None
     for module, state in zip((ctl.actor, ctl.critic), before, strict=True):
@@ -148,7 +156,7 @@ def test_failure_mid_phase_aborts_step_releases_rows_and_names_location():
     ctl = make_controller(store, callbacks=[Boom()], critic_epochs=2)
     actor_before = copy.deepcopy(ctl.actor.state_dict())
     with pytest.raises(IterationError, match=r"iteration 5, phase critic, epoch 2, chunk 1: "):
-        ctl.run_iteration(make_rollout(4, 4), iteration=4)
+        ctl.run_iteration(stored(ctl, make_rollout(4, 4)), iteration=4)
     assert not ctl.critic.step_open
     assert all(p.grad is None for p in ctl.critic.parameters())
     # One critic step (epoch 0) was taken; the actor never trained.
@@ -158,18 +166,19 @@ def test_failure_mid_phase_aborts_step_releases_rows_and_names_location():
         assert torch.equal(v, actor_before[k])
     assert store.release_calls == [(0, 1, 2, 3)]
     # The controller is usable again afterwards.
-    result = ctl.__class__(ctl.actor, ctl.critic, ctl.data).run_iteration(make_rollout(4, 5), 5)
+    again = ctl.__class__(ctl.actor, ctl.critic, ctl.data, callbacks=lifecycle())
+    result = again.run_iteration(stored(again, make_rollout(4, 5)), 5)
     assert len(result.steps) == 2
 
 
 def test_kl_penalty_is_applied_and_whitening_is_global():
     probe = Probe()
     ctl = make_controller(budget=14, callbacks=[probe], kl_coef=0.3, kl_kind="k3", lam=0.9)
-    result = ctl.run_iteration(make_rollout(7, 6), iteration=0)
+    result = ctl.run_iteration(stored(ctl, make_rollout(7, 6)), iteration=0)
     snap = probe.snapshot
     mask = snap.response_mask
     kl = kl_penalty(snap.old_logprobs, snap.ref_logprobs, "k3")
-    assert result.rollout["kl_mean"] == pytest.approx(float(kl[mask].mean()), rel=1e-9)
+    assert result.rollout.kl_mean == pytest.approx(float(kl[mask].mean()), rel=1e-9)
     rewards = token_rewards(snap.reward, mask, kl, 0.3)
     adv, ret = advantages_and_returns(rewards, snap.values, mask, 1.0, 0.9)
     torch.testing.assert_close(snap.returns, ret, rtol=1e-9, atol=1e-12)
@@ -182,9 +191,9 @@ def test_kl_penalty_is_applied_and_whitening_is_global():
 
 def test_critic_warmup_skips_actor():
     ctl = make_controller(critic_warmup_iterations=2)
-    result = ctl.run_iteration(make_rollout(4, 7), iteration=1)
+    result = ctl.run_iteration(stored(ctl, make_rollout(4, 7)), iteration=1)
     assert [s.role for s in result.steps] == ["critic"]
-    result = ctl.run_iteration(make_rollout(4, 8), iteration=2)
+    result = ctl.run_iteration(stored(ctl, make_rollout(4, 8)), iteration=2)
     assert [s.role for s in result.steps] == ["critic", "actor"]
 
 
@@ -214,7 +223,7 @@ def test_failing_cleanup_hook_does_not_hide_the_error():
     store = CountingStore()
     ctl = make_controller(store, callbacks=[BadCleanup(), Boom()])
     with pytest.raises(IterationError, match="ValueError: original") as info:
-        ctl.run_iteration(make_rollout(3, 9), iteration=0)
+        ctl.run_iteration(stored(ctl, make_rollout(3, 9)), iteration=0)
     notes = getattr(info.value.__cause__, "__notes__", [])
     assert any("BadCleanup.on_ppo_abort failed" in n for n in notes)
     # The built-in cleanup still ran: rows released, no step open.
@@ -231,8 +240,8 @@ def test_rows_get_their_ids_from_the_store():
 
     store = OffsetStore()
     ctl = make_controller(store)
-    ctl.run_iteration(make_rollout(3, 0), iteration=0)
-    ctl.run_iteration(make_rollout(2, 1), iteration=1)
+    ctl.run_iteration(stored(ctl, make_rollout(3, 0)), iteration=0)
+    ctl.run_iteration(stored(ctl, make_rollout(2, 1)), iteration=1)
     assert store.release_calls == [(100, 101, 102), (110, 111)]
 
 
@@ -246,7 +255,7 @@ def test_controller_checks_that_the_rows_were_released():
     store = CountingStore()
     ctl = make_controller(store, callbacks=[KeepsRows()])
     with pytest.raises(IterationError, match="rows were not released"):
-        ctl.run_iteration(make_rollout(3, 0), iteration=0)
+        ctl.run_iteration(stored(ctl, make_rollout(3, 0)), iteration=0)
     # The failure path still released them, exactly once, through the same callback.
     assert store.release_calls == [(0, 1, 2)] and len(store) == 0
 
@@ -263,8 +272,10 @@ def test_dropout_is_off_so_the_first_ratio_is_one(disable):
         lm = GPT2LMHeadModel(config).double()
     data = ReplayDataModule(max_tokens_per_chunk=200, shuffle=False)
     ppo = PPOConfig(actor_minibatches=2, disable_dropout=disable)
-    ctl = PPOController(ActorModule(lm, lr=1e-3), CriticModule(tiny_backbone()), data, ppo)
-    result = ctl.run_iteration(make_rollout(6, 3), iteration=0)
+    ctl = PPOController(
+        ActorModule(lm, lr=1e-3), CriticModule(tiny_backbone()), data, ppo, callbacks=lifecycle()
+    )
+    result = ctl.run_iteration(stored(ctl, make_rollout(6, 3)), iteration=0)
     first = result.phase_steps("actor")[0].metrics
     if disable:
         # Old log-probs (scored in eval) and the first step's (in train) are the same numbers.
@@ -290,18 +301,22 @@ class NaNActor(ActorModule):
 def test_skipped_steps_are_warned_and_budgeted(limits, fails_at, key):
     data = ReplayDataModule(max_tokens_per_chunk=30)
     ctl = PPOController(
-        NaNActor(tiny_lm(), lr=1e-3), CriticModule(tiny_backbone()), data, PPOConfig(**limits)
+        NaNActor(tiny_lm(), lr=1e-3),
+        CriticModule(tiny_backbone()),
+        data,
+        PPOConfig(**limits),
+        callbacks=lifecycle(),
     )
     before = [p.detach().clone() for p in ctl.actor.parameters()]
     for i in range(fails_at):
         with pytest.warns(RuntimeWarning, match=r"actor step skipped, gradient norm nan"):
-            result = ctl.run_iteration(make_rollout(4, i), iteration=i)
+            result = ctl.run_iteration(stored(ctl, make_rollout(4, i)), iteration=i)
         assert not result.phase_steps("actor")[0].stepped
         assert result.phase_steps("critic")[0].stepped  # the critic trains on
     with pytest.raises(
         IterationError, match=rf"phase actor, epoch 1: SkippedStepsExceeded: .*{key}"
     ):
-        ctl.run_iteration(make_rollout(4, 9), iteration=fails_at)
+        ctl.run_iteration(stored(ctl, make_rollout(4, 9)), iteration=fails_at)
     assert all(torch.equal(a, b) for a, b in zip(before, ctl.actor.parameters(), strict=True))
     assert len(data.store) == 0
 
@@ -311,8 +326,24 @@ def test_absurd_rewards_make_rows_invalid():
     rollout.reward[0] = 1e9
     rollout.reward[3] = float("-inf")
     ctl = make_controller(drop_budget=2, max_abs_reward=100.0)
-    result = ctl.run_iteration(rollout, iteration=0)
-    assert result.rollout["bad_rewards"] == 2 and result.rollout["invalid_rows"] == 2
+    result = ctl.run_iteration(stored(ctl, rollout), iteration=0)
+    assert result.rollout.bad_rewards == 2 and result.rollout.invalid_rows == 2
     assert result.steps[0].valid_rows == 3
     with pytest.raises(ValueError, match=r"model\.ppo\.max_abs_reward=0"):
         PPOConfig(max_abs_reward=0.0)
+
+
+def test_a_snapshot_that_fails_leaves_no_row_behind(monkeypatch):
+    """Rows handed to the controller are its to release from the first line on."""
+    import lppo.controller as controller_module
+
+    class NoRoomForTheSnapshot:
+        def __init__(self, modules):
+            raise MemoryError("cannot copy the modules' training state")
+
+    monkeypatch.setattr(controller_module, "Transaction", NoRoomForTheSnapshot)
+    store = CountingStore()
+    ctl = make_controller(store, transactional=True)
+    with pytest.raises(IterationError, match="phase collect: MemoryError: cannot copy"):
+        ctl.run_iteration(stored(ctl, make_rollout(3, 0)), iteration=0)
+    assert store.release_calls == [(0, 1, 2)] and len(store) == 0

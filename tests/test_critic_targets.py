@@ -44,7 +44,7 @@ class Targets(PPOCallback):
             self.columns.append(ctx.store.read(ctx.row_ids, [VALUES, ADVANTAGES, RETURNS]))
 
     def on_iteration_end(self, ctx, result) -> None:
-        self.stats.append(dict(result.rollout))
+        self.stats.append(result.rollout.as_dict())
 
 
 def fit(root: Path, **ppo):

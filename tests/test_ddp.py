@@ -20,6 +20,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
+from lppo.data_settings import DataSettings
 from lppo.planner import ChunkPlanner
 from lppo.strategy import PPODDPStrategy, check_strategy
 from lppo.trainer import PPOTrainer
@@ -155,13 +156,13 @@ def test_check_strategy():
 def test_owned_rows_are_planned_like_one_process_and_trained_by_their_owner():
     lengths = tuple(6 + i % 4 for i in range(11))
     valid = tuple(0 if i in (2, 7) else 2 + i % 3 for i in range(11))
-    whole = ChunkPlanner(20, drop_budget=2)
+    whole = ChunkPlanner(DataSettings(20, drop_budget=2))
     # Rank 0 holds the first 7 rows (store ids 0..6), rank 1 the other 4 (its own ids 0..3).
     ids = (*range(7), *range(4))
     owners = (0,) * 7 + (1,) * 4
     meta = RowMeta(ids=ids, lengths=lengths, valid_tokens=valid)
     single = RowMeta(ids=tuple(range(100, 111)), lengths=lengths, valid_tokens=valid)
-    ranks = [ChunkPlanner(20, world_size=2, rank=r, drop_budget=2) for r in range(2)]
+    ranks = [ChunkPlanner(DataSettings(20, drop_budget=2), world_size=2, rank=r) for r in range(2)]
     for phase, minibatches in (("score", 1), ("critic", 1), ("actor", 3)):
         want = whole.plan(single, phase=phase, iteration=3, minibatches=minibatches)
         plans = [
@@ -183,7 +184,7 @@ def test_fixed_rows_per_rank_splits_each_ranks_own_rows():
     meta = RowMeta(ids=(0, 1, 2, 3, 0, 1, 2, 3), lengths=(5,) * 8, valid_tokens=(2,) * 8)
     owners = (0,) * 4 + (1,) * 4
     plans = [
-        ChunkPlanner(10, world_size=2, rank=r, fixed_rows_per_rank=True).plan(
+        ChunkPlanner(DataSettings(10, fixed_rows_per_rank=True), world_size=2, rank=r).plan(
             meta, minibatches=2, owners=owners
         )
         for r in range(2)
@@ -193,7 +194,7 @@ def test_fixed_rows_per_rank_splits_each_ranks_own_rows():
         assert [s.normalizers.valid_rows for s in plan.steps] == [4, 4]
     uneven = RowMeta(ids=(0, 1, 2, 0, 1, 2), lengths=(5,) * 6, valid_tokens=(2,) * 6)
     with pytest.raises(ValueError, match=r"same number of valid rows, got \[4, 2\]"):
-        ChunkPlanner(10, world_size=2, fixed_rows_per_rank=True).plan(
+        ChunkPlanner(DataSettings(10, fixed_rows_per_rank=True), world_size=2).plan(
             uneven, minibatches=1, owners=(0, 0, 0, 0, 1, 1)
         )
 

@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 import torch
+from _builders import stored
 from test_controller import make_controller, make_rollout
 from test_resume import assert_same, fit, params
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationError
+from lppo.errors import IterationError
 from lppo.hooks import PPOCallback
 from lppo.validation import SettingError
 
@@ -39,12 +40,12 @@ def test_a_failed_actor_phase_rolls_back_the_committed_critic_steps(transactiona
     ctl = make_controller(
         critic_epochs=2, transactional=transactional, callbacks=[FailIn("actor", (1,))]
     )
-    ctl.run_iteration(make_rollout(4, 0), iteration=0)
+    ctl.run_iteration(stored(ctl, make_rollout(4, 0)), iteration=0)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in ctl.trainable_modules()]
     critic_steps = ctl.critic.optimizer.state_dict()["state"][0]["step"].clone()
     versions = [m.weights_version for m in ctl.trainable_modules()]
     with pytest.raises(IterationError, match="iteration 2, phase actor"):
-        ctl.run_iteration(make_rollout(4, 1), iteration=1)
+        ctl.run_iteration(stored(ctl, make_rollout(4, 1)), iteration=1)
     after = [m.state_dict() for m in ctl.trainable_modules()]
     restored = all(torch.equal(a[k], b[k]) for a, b in zip(before, after, strict=True) for k in a)
     critic_now = ctl.critic.optimizer.state_dict()["state"][0]["step"]
@@ -60,8 +61,8 @@ def test_a_failed_actor_phase_rolls_back_the_committed_critic_steps(transactiona
 def test_transactional_iterations_train_bitwise_like_plain_ones():
     plain, txn = make_controller(), make_controller(transactional=True)
     for i in range(2):
-        plain.run_iteration(make_rollout(4, i), iteration=i)
-        txn.run_iteration(make_rollout(4, i), iteration=i)
+        plain.run_iteration(stored(plain, make_rollout(4, i)), iteration=i)
+        txn.run_iteration(stored(txn, make_rollout(4, i)), iteration=i)
     for a, b in zip(state(plain)[0], state(txn)[0], strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -109,3 +110,32 @@ def test_fail_fast_is_the_default(tmp_path):
 def test_max_failed_iterations_is_validated():
     with pytest.raises(SettingError, match=r"model\.ppo\.max_failed_iterations=-1"):
         PPOConfig(max_failed_iterations=-1)
+
+
+class Outcomes(PPOCallback):
+    """Records every ``on_iteration_end``: (iteration, failed message)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    def on_iteration_end(self, ctx, result):
+        self.seen.append((result.iteration, result.failed))
+
+
+def test_a_failed_iteration_reaches_on_iteration_end(tmp_path):
+    skipped, fatal = Outcomes(), Outcomes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(
+            tmp_path / "skip",
+            3,
+            callbacks=[FailIn("actor", (1,)), skipped],
+            max_failed_iterations=1,
+        )
+    assert [i for i, _ in skipped.seen] == [0, 1, 2]
+    assert [bool(f) for _, f in skipped.seen] == [False, True, False]
+    assert "iteration 2, phase actor" in skipped.seen[1][1]
+    # A failure that stops the run is an iteration too: reported before the error propagates.
+    with pytest.raises(IterationError, match="iteration 2, phase critic"):
+        fit(tmp_path / "stop", 3, callbacks=[FailIn("critic", (1,)), fatal])
+    assert [(i, bool(f)) for i, f in fatal.seen] == [(0, False), (1, True)]

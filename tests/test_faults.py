@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _builders import stored
 from test_controller import make_controller, make_rollout
 
-from lppo.controller import IterationError
+from lppo.errors import IterationError
 from lppo.hooks import PPOCallback
 from lppo.replay import MemoryReplayStore
 
@@ -121,7 +122,7 @@ def reference_states():
     ctl = make_controller(**SETTINGS)
     states = []
     for i in range(2):
-        ctl.run_iteration(make_rollout(6, i), iteration=i)
+        ctl.run_iteration(stored(ctl, make_rollout(6, i)), iteration=i)
         states.append(snapshot(ctl))
     return states
 
@@ -131,14 +132,13 @@ def test_a_fault_anywhere_in_an_iteration_is_cleaned_up_and_resumable():
     # The points of iteration 1, recorded by an unarmed run of it (chunking depends on the
     # rows only, not on the weights).
     probe, probe_store = Injector(), FaultyStore()
-    make_controller(store=probe_store, callbacks=[probe], **SETTINGS).run_iteration(
-        make_rollout(6, 1), iteration=1
-    )
+    probed = make_controller(store=probe_store, callbacks=[probe], **SETTINGS)
+    probed.run_iteration(stored(probed, make_rollout(6, 1)), iteration=1)
     seen = {h: len(v) for h, v in probe.seen.items()}
     store_calls = dict(probe_store.counts)
     injector, store = Injector(), FaultyStore()
     ctl = make_controller(store=store, callbacks=[injector], **SETTINGS)
-    ctl.run_iteration(make_rollout(6, 0), iteration=0)
+    ctl.run_iteration(stored(ctl, make_rollout(6, 0)), iteration=0)
     assert same(snapshot(ctl), want[0])
     points = [("hook", h, n) for h in HOOKS for n in range(seen[h])]
     points += [("store", m, n) for m in STORE_CALLS for n in range(store_calls[m])]
@@ -155,7 +155,7 @@ def test_a_fault_anywhere_in_an_iteration_is_cleaned_up_and_resumable():
             module = ctl.critic if name == "critic" else ctl.actor
             module.finish = _failing_once(module, n)
         try:
-            ctl.run_iteration(make_rollout(6, 1), iteration=1)
+            ctl.run_iteration(stored(ctl, make_rollout(6, 1)), iteration=1)
             problems.append(f"{kind} {name}[{n}]: no error")
             continue
         except IterationError as error:
@@ -173,7 +173,7 @@ def test_a_fault_anywhere_in_an_iteration_is_cleaned_up_and_resumable():
         if not same(snapshot(ctl), start):
             problems.append(f"{point}: models not restored to the iteration's start")
     assert not problems, "\n".join(problems)
-    ctl.run_iteration(make_rollout(6, 1), iteration=1)  # the resumed iteration
+    ctl.run_iteration(stored(ctl, make_rollout(6, 1)), iteration=1)  # the resumed iteration
     assert same(snapshot(ctl), want[1])
 
 

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.planner import ChunkPlanner, DropBudgetExceeded, EpochPlan, NoValidRows
+import lppo.data
+from lppo.data import ReplayDataModule
+from lppo.data_settings import DataSettings
+from lppo.planner import ChunkPlanner, DropBudgetExceeded, EpochPlan, NoValidRows, RowLayout
 from lppo.types import RowMeta
+
+RUN_KEYS = ("world_size", "rank", "max_row_length", "rows_per_iteration", "minibatches")
+
+
+def configured_planner(**kwargs: Any) -> ChunkPlanner:
+    """A planner built as setup builds it: settings, then the run's shape, then the planner."""
+    run = {k: kwargs.pop(k) for k in RUN_KEYS if k in kwargs}
+    data = ReplayDataModule(**kwargs)
+    data.configure(**run)
+    return data.planner
 
 
 def make_meta(lengths: list[int], valid: list[int], ids: list[int] | None = None) -> RowMeta:
@@ -22,13 +37,15 @@ def plan_all_ranks(world: int, meta: RowMeta, **kw: object) -> list[EpochPlan]:
     ctor = {k: kw.pop(k) for k in ("budget", "seed", "shuffle", "drop_budget", "fixed") if k in kw}
     return [
         ChunkPlanner(
-            ctor.get("budget", 64),
+            DataSettings(
+                ctor.get("budget", 64),
+                seed=ctor.get("seed", 0),
+                shuffle=ctor.get("shuffle", True),
+                drop_budget=ctor.get("drop_budget", 0),
+                fixed_rows_per_rank=ctor.get("fixed", False),
+            ),
             world_size=world,
             rank=r,
-            seed=ctor.get("seed", 0),
-            shuffle=ctor.get("shuffle", True),
-            drop_budget=ctor.get("drop_budget", 0),
-            fixed_rows_per_rank=ctor.get("fixed", False),
         ).plan(meta, **kw)
         for r in range(world)
     ]
@@ -160,7 +177,7 @@ def test_fixed_rows_per_rank_gives_equal_row_counts(s: dict) -> None:
 
 def test_invalid_rows_are_excluded_and_reported() -> None:
     meta = make_meta([5, 6, 7, 8], [2, 0, 3, 0], ids=[10, 11, 12, 13])
-    plan = ChunkPlanner(64, drop_budget=2).plan(meta)
+    plan = ChunkPlanner(DataSettings(64, drop_budget=2)).plan(meta)
     assert plan.invalid_rows == (11, 13)
     assert sorted(plan.valid_rows) == [10, 12]
     assert sorted(i for c in plan.steps[0].chunks for i in c) == [10, 12]
@@ -184,7 +201,7 @@ def test_padding_chunks_keep_ranks_aligned() -> None:
 def test_hand_packing_and_padding_fraction() -> None:
     # Budget 12; rows longest first: 6, 6 → (2×6 = 12) | 4, 3, 2 → (3×4 = 12) | nothing left.
     meta = make_meta([4, 6, 2, 6, 3], [1] * 5)
-    plan = ChunkPlanner(12, shuffle=False).plan(meta)
+    plan = ChunkPlanner(DataSettings(12, shuffle=False)).plan(meta)
     step = plan.steps[0]
     assert [sorted(c) for c in step.chunks] == [[1, 3], [0, 2, 4]]
     used, slots = 4 + 6 + 2 + 6 + 3, 12 + 12
@@ -194,7 +211,7 @@ def test_hand_packing_and_padding_fraction() -> None:
 
 def test_minibatches_split_near_equally() -> None:
     meta = make_meta([5] * 10, [2] * 10)
-    plan = ChunkPlanner(100, seed=3).plan(meta, minibatches=3)
+    plan = ChunkPlanner(DataSettings(100, seed=3)).plan(meta, minibatches=3)
     sizes = [sum(len(c) for c in s.chunks) for s in plan.steps]
     assert sorted(sizes) == [3, 3, 4]
     assert [s.normalizers.valid_rows for s in plan.steps] == sizes
@@ -208,7 +225,7 @@ def test_seeded_shuffle_is_deterministic() -> None:
     meta = make_meta([5] * 30, [1] * 30)
 
     def order(seed: int = 0, **kw: object) -> tuple[int, ...]:
-        return ChunkPlanner(200, seed=seed).plan(meta, **kw).valid_rows
+        return ChunkPlanner(DataSettings(200, seed=seed)).plan(meta, **kw).valid_rows
 
     base = order(epoch=1, phase="actor", iteration=4)
     assert order(epoch=1, phase="actor", iteration=4) == base
@@ -219,11 +236,13 @@ def test_seeded_shuffle_is_deterministic() -> None:
     assert order(epoch=1, phase="actor", iteration=5) != base
     assert order(seed=1, epoch=1, phase="actor", iteration=4) != base
     # The rank does not take part in the shuffle.
-    other = ChunkPlanner(200, world_size=3, rank=2).plan(meta, epoch=1, phase="actor", iteration=4)
+    other = ChunkPlanner(DataSettings(200), world_size=3, rank=2).plan(
+        meta, epoch=1, phase="actor", iteration=4
+    )
     assert other.valid_rows == base
     # Chunks follow the shuffle: the same seed gives the same chunks.
-    a = ChunkPlanner(20, seed=9).plan(meta, epoch=3, minibatches=2)
-    b = ChunkPlanner(20, seed=9).plan(meta, epoch=3, minibatches=2)
+    a = ChunkPlanner(DataSettings(20, seed=9)).plan(meta, epoch=3, minibatches=2)
+    b = ChunkPlanner(DataSettings(20, seed=9)).plan(meta, epoch=3, minibatches=2)
     assert a == b
 
 
@@ -257,49 +276,127 @@ def test_seeded_shuffle_is_deterministic() -> None:
 )
 def test_construction_errors_name_the_keys(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        ChunkPlanner(**kwargs)
+        configured_planner(**kwargs)
 
 
 def test_valid_constructions() -> None:
-    ChunkPlanner(10, max_row_length=10)
-    ChunkPlanner(64, fixed_rows_per_rank=True, world_size=2, minibatches=3, rows_per_iteration=12)
+    configured_planner(max_tokens_per_chunk=10, max_row_length=10)
+    configured_planner(
+        max_tokens_per_chunk=64,
+        fixed_rows_per_rank=True,
+        world_size=2,
+        minibatches=3,
+        rows_per_iteration=12,
+    )
     # Divisibility only matters with fixed rows per rank.
-    ChunkPlanner(64, world_size=2, minibatches=3, rows_per_iteration=10, drop_budget=2)
+    configured_planner(
+        max_tokens_per_chunk=64, world_size=2, minibatches=3, rows_per_iteration=10, drop_budget=2
+    )
 
 
 def test_row_longer_than_budget_raises() -> None:
     meta = make_meta([4, 13, 5], [1, 1, 1], ids=[0, 7, 2])
     with pytest.raises(ValueError, match=r"row 7 has 13 tokens.*max_tokens_per_chunk=12"):
-        ChunkPlanner(12).plan(meta)
+        ChunkPlanner(DataSettings(12)).plan(meta)
 
 
 def test_drop_budget_exceeded() -> None:
     meta = make_meta([4, 4, 4], [1, 0, 0])
     with pytest.raises(DropBudgetExceeded, match=r"2 invalid rows, 0 dropped.*drop_budget=1"):
-        ChunkPlanner(64, drop_budget=1).plan(meta)
+        ChunkPlanner(DataSettings(64, drop_budget=1)).plan(meta)
     with pytest.raises(DropBudgetExceeded, match=r"3 samples lost.*drop_budget=2"):
-        ChunkPlanner(64, drop_budget=2).plan(meta, dropped=1)
+        ChunkPlanner(DataSettings(64, drop_budget=2)).plan(meta, dropped=1)
     # Exactly at the budget is fine.
-    plan = ChunkPlanner(64, drop_budget=3).plan(meta, dropped=1)
+    plan = ChunkPlanner(DataSettings(64, drop_budget=3)).plan(meta, dropped=1)
     assert plan.dropped == 1 and plan.invalid_rows == (1, 2)
     # Dropped samples alone count too.
     with pytest.raises(DropBudgetExceeded):
-        ChunkPlanner(64).plan(make_meta([4], [1]), dropped=1)
+        ChunkPlanner(DataSettings(64)).plan(make_meta([4], [1]), dropped=1)
 
 
 def test_no_valid_rows() -> None:
     with pytest.raises(NoValidRows, match="iteration 6"):
-        ChunkPlanner(64, drop_budget=3).plan(make_meta([4, 4, 4], [0, 0, 0]), iteration=5)
+        ChunkPlanner(DataSettings(64, drop_budget=3)).plan(
+            make_meta([4, 4, 4], [0, 0, 0]), iteration=5
+        )
     with pytest.raises(NoValidRows):
-        ChunkPlanner(64).plan(make_meta([], []))
+        ChunkPlanner(DataSettings(64)).plan(make_meta([], []))
 
 
 def test_fewer_valid_rows_than_minibatches() -> None:
     meta = make_meta([4, 4, 4], [1, 1, 0])
     with pytest.raises(ValueError, match=r"2 valid rows cannot fill 3 minibatches"):
-        ChunkPlanner(64, drop_budget=1).plan(meta, minibatches=3)
+        ChunkPlanner(DataSettings(64, drop_budget=1)).plan(meta, minibatches=3)
     with pytest.raises(ValueError, match="minibatches=0"):
-        ChunkPlanner(64, drop_budget=1).plan(meta, minibatches=0)
+        ChunkPlanner(DataSettings(64, drop_budget=1)).plan(meta, minibatches=0)
     # Fixed rows per rank needs a multiple of world × minibatches valid rows.
     with pytest.raises(ValueError, match="not divisible"):
-        ChunkPlanner(64, world_size=2, fixed_rows_per_rank=True).plan(make_meta([4] * 3, [1] * 3))
+        ChunkPlanner(DataSettings(64, fixed_rows_per_rank=True), world_size=2).plan(
+            make_meta([4] * 3, [1] * 3)
+        )
+
+
+# ------------------------------------------------------------ the data group's settings
+
+
+@pytest.mark.parametrize(
+    ("settings", "run", "key"),
+    [
+        ({"max_tokens_per_chunk": 0}, {}, "data.max_tokens_per_chunk=0"),
+        ({"max_tokens_per_chunk": 1.5}, {}, "data.max_tokens_per_chunk=1.5"),
+        ({"max_tokens_per_chunk": float("nan")}, {}, "data.max_tokens_per_chunk=nan"),
+        ({"max_tokens_per_score_chunk": 0}, {}, "data.max_tokens_per_score_chunk=0"),
+        ({"drop_budget": -1}, {}, "data.drop_budget=-1"),
+        ({"seed": -1}, {}, "data.seed=-1"),
+        ({"fixed_rows_per_rank": True, "drop_budget": 1}, {}, "data.drop_budget=1"),
+        ({"max_tokens_per_chunk": 8}, {"max_row_length": 9}, "data.max_tokens_per_chunk=8"),
+        (
+            {"max_tokens_per_score_chunk": 8},
+            {"max_row_length": 9},
+            "data.max_tokens_per_score_chunk=8",
+        ),
+        (
+            {"fixed_rows_per_rank": True},
+            {"world_size": 2, "rank": 1, "rows_per_iteration": 3},
+            "data.fixed_rows_per_rank=true",
+        ),
+    ],
+)
+def test_every_data_setting_error_names_its_key(
+    settings: dict[str, Any], run: dict[str, Any], key: str
+) -> None:
+    """Settings alone fail when the data module is built; the run's shape, at configure."""
+    with pytest.raises(ValueError, match=re.escape(key)):
+        DataSettings(**settings).check_run(**run)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        ReplayDataModule(**settings).configure(**run)
+    if run:  # only the run's shape is wrong: building the module still succeeds
+        ReplayDataModule(**settings)
+
+
+def test_the_data_module_builds_its_planner_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[ChunkPlanner] = []
+
+    class CountedPlanner(ChunkPlanner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(lppo.data, "ChunkPlanner", CountedPlanner)
+    meta = make_meta([4] * 6, [1] * 6)
+    layout = RowLayout(meta=meta, owners=(0,) * 6)
+    data = ReplayDataModule(max_tokens_per_chunk=32, seed=4, drop_budget=1, shuffle=False)
+    assert built == []  # settings only: no planner before setup
+    assert (data.max_tokens_per_chunk, data.seed, data.drop_budget) == (32, 4, 1)
+    assert (data.shuffle, data.fixed_rows_per_rank) == (False, False)
+    data.configure(world_size=2, rank=1, max_row_length=8, rows_per_iteration=6, minibatches=2)
+    assert len(built) == 1 and (built[0].world_size, built[0].rank) == (2, 1)
+    assert built[0].settings is data.settings
+    for phase in ("score", "critic", "actor"):
+        data.plan(layout, phase, iteration=0, minibatches=2)
+    assert len(built) == 1 and data.planner is built[0]
+    # Without setup (a controller built by hand), one single-process planner on first use.
+    plain = ReplayDataModule(max_tokens_per_chunk=32)
+    plain.plan(layout, "actor", iteration=0)
+    plain.plan(layout, "actor", iteration=0, epoch=1)
+    assert len(built) == 2 and plain.planner is built[1] and built[1].world_size == 1

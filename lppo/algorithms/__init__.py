@@ -13,7 +13,6 @@ from lppo.algorithms.losses import (
 )
 from lppo.algorithms.off_policy import (
     ImportanceWeights,
-    Mismatch,
     OffPolicyCorrection,
     OffPolicyMode,
     importance_weights,
@@ -24,7 +23,6 @@ __all__ = [
     "ImportanceWeights",
     "KLKind",
     "LossAggregation",
-    "Mismatch",
     "Moments",
     "OffPolicyCorrection",
     "OffPolicyMode",

@@ -11,12 +11,29 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from lppo.modules.lifecycle import PPOModule
+
+class Trainable(Protocol):
+    """What a snapshot reads and restores of a module (every :class:`PPOModule` is one).
+
+    Attributes:
+        role: the module's name in messages (``actor`` / ``critic``).
+        optimizer: its optimizer (``None`` before the first step).
+        scheduler: its learning-rate scheduler, if any.
+        weights_version: bumped when its weights change outside a step (engines resync).
+    """
+
+    role: str
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    weights_version: int
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters its optimizer steps, in a fixed order."""
+        ...
 
 
 @dataclass
@@ -36,7 +53,7 @@ class TrainingState:
 
     @classmethod
     @torch.no_grad()
-    def capture(cls, module: PPOModule) -> TrainingState:
+    def capture(cls, module: Trainable) -> TrainingState:
         """Copy ``module``'s parameters, optimizer and scheduler state."""
         optimizer = module.optimizer
         scheduler = module.scheduler
@@ -47,7 +64,7 @@ class TrainingState:
         )
 
     @torch.no_grad()
-    def restore(self, module: PPOModule) -> None:
+    def restore(self, module: Trainable) -> None:
         """Put the captured state back, bitwise (the copy stays usable for another restore)."""
         params = module.trainable_parameters()
         if len(params) != len(self.parameters):
@@ -82,7 +99,7 @@ class Transaction:
         modules: the modules to capture (actor and critic for an iteration).
     """
 
-    def __init__(self, modules: Sequence[PPOModule]) -> None:
+    def __init__(self, modules: Sequence[Trainable]) -> None:
         self.states = [(m, TrainingState.capture(m)) for m in modules]
 
     def rollback(self) -> None:
@@ -92,7 +109,7 @@ class Transaction:
             module.weights_version += 1
 
 
-def parameters_finite(module: PPOModule) -> bool:
+def parameters_finite(module: Trainable) -> bool:
     """Whether every trainable parameter is finite (one max-abs reduction, no overflow)."""
     params = [p.detach() for p in module.trainable_parameters()]
     if not params:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lppo.config import PPOConfig
 from lppo.replay.base import ReplayStore
 from lppo.types import RESPONSE_MASK, REWARD, TRUNCATED, Rollout
 
@@ -29,7 +28,7 @@ so putting 16k short rows does not hold tens of thousands of small tensors at th
 
 @dataclass(frozen=True)
 class RowRules:
-    """Which rows become invalid when they are put (from ``model.ppo``).
+    """Which rows become invalid when they are put (``PPOConfig.row_rules()`` gives them).
 
     Attributes:
         max_abs_reward: rewards with a larger magnitude (like non-finite ones) make their row
@@ -39,11 +38,6 @@ class RowRules:
 
     max_abs_reward: float | None = None
     mask_truncated: bool = False
-
-    @classmethod
-    def of(cls, config: PPOConfig) -> RowRules:
-        """The rules ``config`` sets (its ``max_abs_reward`` and ``mask_truncated``)."""
-        return cls(config.max_abs_reward, config.mask_truncated)
 
 
 @dataclass

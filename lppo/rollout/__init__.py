@@ -12,6 +12,7 @@ from lppo.rollout.base import (
     score,
     to_rollout,
 )
+from lppo.rollout.evaluation import EvalSamples
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
@@ -19,6 +20,7 @@ from lppo.rollout.vllm import VLLMEngine
 
 __all__ = [
     "TRUNCATED",
+    "EvalSamples",
     "GenerationOutput",
     "HFGenerateEngine",
     "PromptBlock",

@@ -142,9 +142,10 @@ class RolloutEngine(Protocol):
     """Samples responses from the current policy; chosen by ``model.engine.class_path``.
 
     Lifecycle: :meth:`setup` once (the policy, its tokenizer and the sampling settings), then
-    :meth:`generate` every iteration. An engine that holds its own copy of the weights (another
-    process, vLLM) refreshes it in :meth:`sync_from`, which lppo calls after every actor phase
-    and before any generation whose :attr:`weights_version` lags the policy's.
+    :meth:`generate` every iteration (and greedily for evaluation). An engine that holds its
+    own copy of the weights (another process, vLLM) refreshes it in :meth:`sync_from`, which
+    lppo calls after every actor phase and before any generation whose
+    :attr:`weights_version` lags the policy's. :meth:`close` when the run ends.
 
     Attributes:
         weights_version: the policy ``weights_version`` the engine samples from (set by
@@ -158,9 +159,16 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: list[Prompt], samples_per_prompt: int, seed: int
+        self, prompts: list[Prompt], samples_per_prompt: int, seed: int, greedy: bool = False
     ) -> GenerationOutput:
         """Sample ``samples_per_prompt`` responses to each prompt, reproducibly from ``seed``.
+
+        Args:
+            prompts: the prompts to answer.
+            samples_per_prompt: responses per prompt.
+            seed: seed of this call (the same seed gives the same samples).
+            greedy: take the argmax instead of sampling (evaluation; the seed then does not
+                matter); ``gen_logprobs`` are then those of the unscaled distribution.
 
         Returns:
             ``len(prompts) * samples_per_prompt`` samples, grouped by prompt.
@@ -169,6 +177,14 @@ class RolloutEngine(Protocol):
 
     def sync_from(self, policy: torch.nn.Module, version: int) -> None:
         """Sample from ``policy``'s current weights from now on; set ``weights_version``."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine started (processes, servers, files); idempotent.
+
+        lppo calls it when the run ends (``PPOSystem.teardown``); an engine that started
+        nothing does nothing.
+        """
         ...
 
 

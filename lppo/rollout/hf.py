@@ -204,6 +204,12 @@ class HFGenerateEngine:
             self.model.load_state_dict(policy.state_dict())
         self.weights_version = version
 
+    def close(self) -> None:
+        """Nothing to release: the engine started nothing and samples from the actor's model.
+
+        The model stays bound, so the policy can still be sampled (evaluated) after the run.
+        """
+
     # -- generation ------------------------------------------------------------------------
 
     def prompt_text(self, text: str) -> str:
@@ -324,18 +330,18 @@ class HFGenerateEngine:
         tokens = result.sequences[:, width:].cpu()
         if len(result.scores) != tokens.shape[1]:
             raise RuntimeError(f"{len(result.scores)} score steps for {tokens.shape[1]} tokens")
-        # Log-probability of each sampled token under the processed (sampling) distribution.
-        logprobs = (
-            torch.stack(
-                [
-                    torch.log_softmax(s.float(), dim=-1).gather(1, tokens[:, j, None].to(s.device))
-                    for j, s in enumerate(result.scores)
-                ],
-                dim=1,
-            )
-            .squeeze(-1)
-            .cpu()
-        )
+        return self._samples(batch, tokens, _picked_logprobs(result.scores, tokens))
+
+    def _samples(
+        self, batch: list[list[int]], tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> list[_Sample]:
+        """One sample per row of ``batch``: its response cut after the first EOS (kept).
+
+        Args:
+            batch: each row's prompt ids.
+            tokens: ``int64[B, T]`` generated tokens (CPU).
+            logprobs: ``float32[B, T]`` their log-probabilities (CPU).
+        """
         samples = []
         ignore_eos = self.sampling.ignore_eos
         for r, ids in enumerate(batch):
@@ -359,3 +365,20 @@ class HFGenerateEngine:
                 )
             )
         return samples
+
+
+def _picked_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each generated token under the processed (sampling) distribution.
+
+    Args:
+        scores: ``generate``'s processed scores, one ``[B, V]`` tensor per step.
+        tokens: ``int64[B, T]`` generated tokens, ``T = len(scores)``.
+
+    Returns:
+        ``float32[B, T]`` on CPU.
+    """
+    picked = [
+        torch.log_softmax(s.float(), dim=-1).gather(1, tokens[:, j, None].to(s.device))
+        for j, s in enumerate(scores)
+    ]
+    return torch.stack(picked, dim=1).squeeze(-1).cpu()

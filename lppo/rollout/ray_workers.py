@@ -29,6 +29,8 @@ cluster address); :meth:`close` kills the workers and releases Ray. Needs the ``
 
 from __future__ import annotations
 
+import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,10 +121,10 @@ class RolloutWorker:
         return self.engine.weights_version
 
     def generate(
-        self, prompts: list[Prompt], samples_per_prompt: int, seed: int
+        self, prompts: list[Prompt], samples_per_prompt: int, seed: int, greedy: bool = False
     ) -> tuple[GenerationOutput, int]:
         """The engine's samples and the weights version they were sampled from."""
-        output = self.engine.generate(prompts, samples_per_prompt, seed)
+        output = self.engine.generate(prompts, samples_per_prompt, seed, greedy=greedy)
         return output, self.engine.weights_version
 
     def generate_into(
@@ -156,11 +158,7 @@ class RolloutWorker:
 
     def where(self) -> tuple[int, str]:
         """The worker's process id and the id of the Ray node it runs on."""
-        import os
-
-        import ray
-
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        return os.getpid(), ray_module().get_runtime_context().get_node_id()
 
 
 class RayWorkersEngine:
@@ -211,7 +209,7 @@ class RayWorkersEngine:
         actor_class = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker).options(
             scheduling_strategy="SPREAD"
         )
-        policy_ref = ray.put(_cpu_copy(policy))
+        policy_ref = ray.put(copy.deepcopy(policy).cpu())  # a copy: the trainer's stays put
         args = (self.engine, policy_ref, tokenizer, sampling)
         self._spawn = lambda: actor_class.remote(*args)
         self.workers = [self._spawn() for _ in range(self.num_workers)]
@@ -220,7 +218,7 @@ class RayWorkersEngine:
         self._load_all()
 
     def close(self) -> None:
-        """Kill the workers and release Ray (stopping it if lppo started it here)."""
+        """Kill the workers and release Ray (stopping it if lppo started it here); idempotent."""
         if not self.workers and self._spawn is None:
             return
         ray = ray_module()
@@ -246,14 +244,17 @@ class RayWorkersEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(
-        self, prompts: list[Prompt], samples_per_prompt: int, seed: int
+        self, prompts: list[Prompt], samples_per_prompt: int, seed: int, greedy: bool = False
     ) -> GenerationOutput:
-        """Samples of every part, in prompt order (parts lost for good are left out)."""
+        """Samples of every part, in prompt order (parts lost for good are left out).
+
+        ``greedy`` travels to every worker's engine (each part is then its argmax decoding).
+        """
         parts = _parts([PromptBlock(0, prompts, seed)], self.num_workers)
 
         def submit(part: _Part) -> Any:
             worker = self.workers[part.index % self.num_workers]
-            return worker.generate.remote(part.prompts, samples_per_prompt, part.seed)
+            return worker.generate.remote(part.prompts, samples_per_prompt, part.seed, greedy)
 
         done, dropped = self._run(parts, samples_per_prompt, submit)
         outputs = []
@@ -391,13 +392,6 @@ class RayWorkersEngine:
                 f"(waited {time.monotonic() - start:.1f} s); a worker may be hung or the "
                 "cluster out of CPUs. Raise timeout_s or check the Ray cluster."
             ) from error
-
-
-def _cpu_copy(policy: torch.nn.Module) -> torch.nn.Module:
-    """A CPU copy of ``policy`` for the workers (the trainer's module is left alone)."""
-    import copy
-
-    return copy.deepcopy(policy).cpu()
 
 
 def _state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:

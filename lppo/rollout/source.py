@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lppo.controller import IterationError
+from lppo.errors import IterationError
 from lppo.modules import ActorModule
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.replay.base import ReplayStore
@@ -40,6 +40,7 @@ from lppo.rollout.base import (
     score,
     to_rollout,
 )
+from lppo.rollout.evaluation import EvalSamples, undisturbed
 from lppo.tasks import Task
 from lppo.tasks.base import Prompt
 from lppo.types import Rollout, iteration_label
@@ -214,3 +215,42 @@ class RolloutSource:
             outputs.append(output)
         output = concat_outputs(outputs)
         return to_rollout(output, score(self.task, prompts, output))
+
+    def evaluate(
+        self,
+        prompts: list[Prompt],
+        samples_per_prompt: int,
+        seed: int,
+        greedy: bool = False,
+        task: Task | None = None,
+    ) -> EvalSamples:
+        """Samples of ``prompts`` from the actor's current weights, rewarded, training untouched.
+
+        Syncs the engine first (never evaluate weights older than the actor's), then generates
+        and rewards with :func:`~lppo.rollout.score`, all without gradients, under forked RNGs
+        and with the actor's train/eval modes restored afterwards (:func:`undisturbed`).
+
+        Args:
+            prompts: the prompts to answer.
+            samples_per_prompt: responses per prompt.
+            seed: the generation seed.
+            greedy: decode greedily (argmax) instead of sampling.
+            task: rewards the samples; ``None``: the source's task.
+
+        Returns:
+            The samples, grouped by prompt, and one reward per sample.
+
+        Raises:
+            RuntimeError: the engine returned another number of samples.
+            RewardError: the task's reward failed.
+        """
+        with undisturbed(self.actor):
+            self.sync()
+            output = self.engine.generate(prompts, samples_per_prompt, seed, greedy=greedy)
+            if len(output) != len(prompts) * samples_per_prompt:
+                raise RuntimeError(
+                    f"{type(self.engine).__name__}.generate returned {len(output)} samples for "
+                    f"{len(prompts)} prompts × {samples_per_prompt}."
+                )
+            rewards = score(task if task is not None else self.task, prompts, output).tolist()
+        return EvalSamples(output, rewards)

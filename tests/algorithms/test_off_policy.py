@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lppo.algorithms import Mismatch, OffPolicyCorrection, importance_weights, policy_loss
+from lppo.algorithms import OffPolicyCorrection, importance_weights, policy_loss
+from lppo.mismatch import Mismatch
 
 
 def _t(*values: float) -> torch.Tensor:

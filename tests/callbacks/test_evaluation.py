@@ -27,6 +27,7 @@ from lppo.data import ReplayDataModule
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.rollout import RewardError
+from lppo.run_log import RunLog
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.tasks.base import Prompt
@@ -264,6 +265,7 @@ def stub_trainer(global_zero: bool = True, callbacks: list[Any] | None = None) -
 
 def test_evaluation_restores_modes_and_rngs_and_skips_other_ranks(runs: dict[str, Any]) -> None:
     system: PPOSystem = runs["plain"].model
+    system.run_log = RunLog()  # evaluated in isolation: a fresh axis (its rows take its steps)
     evaluation = Evaluation(num_prompts=3, samples_per_prompt=2)
     assert evaluation.evaluate(stub_trainer(global_zero=False), system, 0) is None
     assert evaluation.history == [] and evaluation.prompts is None
@@ -272,10 +274,11 @@ def test_evaluation_restores_modes_and_rngs_and_skips_other_ranks(runs: dict[str
     modes = [m.training for m in system.actor.modules()]
     torch_state, python_state = torch.get_rng_state(), random.getstate()
     entry = evaluation.evaluate(stub_trainer(), system, 5)
-    assert entry is not None and entry["iteration"] == 5 and entry["step"] == 5
+    assert entry is not None and entry["iteration"] == 5 and entry["step"] == 0
     assert [m.training for m in system.actor.modules()] == modes
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
     assert evaluation.evaluate(stub_trainer(), system, 5) is None  # already evaluated
+    system.run_log = RunLog()
     again = Evaluation(num_prompts=3, samples_per_prompt=2).evaluate(stub_trainer(), system, 5)
     assert without_seconds([again]) == without_seconds([entry])  # fixed seed: reproducible
 
@@ -284,6 +287,7 @@ def test_greedy_decoding_ignores_the_seed(runs: dict[str, Any]) -> None:
     system: PPOSystem = runs["plain"].model
     entries = []
     for seed in (0, 1):
+        system.run_log = RunLog()  # each evaluation on its own
         evaluation = Evaluation(num_prompts=4, samples_per_prompt=1, seed=3, greedy=True)
         evaluation.setup(stub_trainer(callbacks=[evaluation]), system, "fit")
         evaluation.seed = seed  # same prompts, another generation seed
@@ -298,6 +302,7 @@ class BrokenTask(CopyTask):
 
 def test_a_failing_reward_names_the_evaluation(runs: dict[str, Any]) -> None:
     evaluation = Evaluation(num_prompts=2, samples_per_prompt=1, task=BrokenTask(), prefix="held")
+    runs["plain"].model.run_log = RunLog()
     with pytest.raises(RewardError, match=r"held after iteration 5: BrokenTask\.rewards raised"):
         evaluation.evaluate(stub_trainer(), runs["plain"].model, 4)
     assert evaluation.history == []
@@ -328,7 +333,7 @@ def test_prompts_are_drawn_once_and_leave_a_stateful_task_as_it_was() -> None:
     prompts = evaluation.draw_prompts(task)
     assert task.drawn == 7
     assert prompts == CopyTask().sample_prompts(5, random.Random(11))
-    system = SimpleNamespace(task=task, engine=SimpleNamespace(generate=lambda *a, **k: None))
+    system = SimpleNamespace(task=task, run_log=RunLog())  # setup: the task and the run log
     evaluation.setup(stub_trainer(callbacks=[evaluation]), system, "fit")  # type: ignore[arg-type]
     first = evaluation.prompts
     evaluation.setup(stub_trainer(callbacks=[evaluation]), system, "fit")  # type: ignore[arg-type]
@@ -355,14 +360,9 @@ def test_bad_settings_raise_value_error_naming_the_key(kwargs: dict[str, Any], k
 
 
 def test_bad_settings_against_the_run_raise_at_setup() -> None:
-    class Engine:
-        def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> None:
-            del prompts, samples_per_prompt, seed
-
-    system = SimpleNamespace(task=CopyTask(), engine=Engine())
-    greedy = Evaluation(greedy=True, samples_per_prompt=1)
-    with pytest.raises(ValueError, match=r"Evaluation\.greedy=true .*Engine\.generate"):
-        greedy.setup(stub_trainer(callbacks=[greedy]), system, "fit")  # type: ignore[arg-type]
+    # Greedy decoding is no longer refused for any engine: every engine takes greedy=
+    # (tests/rollout/test_engines.py; through Ray workers: tests/rollout/test_ray_workers.py).
+    system = SimpleNamespace(task=CopyTask())
     a, b = Evaluation(), Evaluation()
     with pytest.raises(ValueError, match=r"Evaluation\.prefix='eval'"):
         a.setup(stub_trainer(callbacks=[a, b]), system, "fit")  # type: ignore[arg-type]
@@ -372,14 +372,13 @@ def test_bad_settings_against_the_run_raise_at_setup() -> None:
 # --------------------------------------------------------------------------- the plot
 def test_reward_curve_and_summary_show_the_evaluation(tmp_path: Path) -> None:
     evaluation = Evaluation()
-    evaluation.load_state_dict(
-        {
-            "history": [
-                {"iteration": 1, "step": 3, "reward_mean": 0.25, "accuracy": 0.5, "pass@1": 0.5},
-                {"iteration": 3, "step": 9, "reward_mean": 0.75, "accuracy": 1.0, "pass@1": 1.0},
-            ]
-        }
-    )
+    module = pl.LightningModule()
+    module.run_log = RunLog()  # type: ignore[attr-defined]  # what PPOSystem owns
+    for entry in (
+        {"iteration": 1, "step": 3, "reward_mean": 0.25, "accuracy": 0.5, "pass@1": 0.5},
+        {"iteration": 3, "step": 9, "reward_mean": 0.75, "accuracy": 1.0, "pass@1": 1.0},
+    ):
+        module.run_log.add_evaluation("eval", entry)  # type: ignore[attr-defined]
     curve, summary = RewardCurve(), RunSummary(print_summary=False)
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
@@ -389,7 +388,6 @@ def test_reward_curve_and_summary_show_the_evaluation(tmp_path: Path) -> None:
         enable_model_summary=False,
     )
     curve.points = [(i, 0.1 * i, 0.05) for i in range(4)]
-    module = pl.LightningModule()
     for cb in (curve, summary):
         cb.on_train_end(trainer, module)
     assert curve.eval_points == {"eval": [(1, 0.25), (3, 0.75)]}

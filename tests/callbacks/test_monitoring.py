@@ -11,9 +11,9 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from _builders import random_rows, tiny_backbone, tiny_lm
+from _builders import random_rows, stored, tiny_backbone, tiny_lm
 from lightning.pytorch.loggers import CSVLogger
-from lppo.callbacks import PPOMetricsLogger, PPOProgress, RewardCurve, RunSummary
+from lppo.callbacks import PPOMetricsLogger, PPOProgress, RewardCurve, RunSummary, lifecycle
 
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
@@ -21,7 +21,16 @@ from lppo.data import ReplayDataModule
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule
 from lppo.replay import MemoryReplayStore
-from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, IterationResult, Rollout, StepStats
+from lppo.run_log import RunLog
+from lppo.types import (
+    INPUT_IDS,
+    RESPONSE_MASK,
+    REWARD,
+    IterationResult,
+    Rollout,
+    RolloutStats,
+    StepStats,
+)
 
 CRITIC_EPOCHS = 3
 ACTOR_EPOCHS = 2
@@ -73,6 +82,7 @@ class System(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.iteration_index = 0
+        self.run_log = RunLog()
 
 
 def make_rollout(n: int, seed: int) -> Rollout:
@@ -93,12 +103,12 @@ def make_controller(callbacks=()) -> PPOController:
     )
     actor = ActorModule(tiny_lm(), lr=1e-3)
     critic = CriticModule(tiny_backbone(), lr=1e-3)
-    return PPOController(actor, critic, data, config, callbacks=callbacks)
+    return PPOController(actor, critic, data, config, callbacks=[*callbacks, *lifecycle(callbacks)])
 
 
 def run_iteration(controller: PPOController, iteration: int) -> IterationResult:
     rollout = make_rollout(4, seed=iteration)
-    result = controller.run_iteration(rollout, iteration)
+    result = controller.run_iteration(stored(controller, rollout), iteration)
     # The training loop adds the rollout phase (generation) timing and token count.
     result.seconds["rollout"] = 0.25
     result.tokens["rollout"] = sum(len(t) for t in rollout.input_ids)
@@ -141,8 +151,11 @@ def make_trainer(tmp_path, callbacks, logger=None) -> pl.Trainer:
     )
 
 
-def context(trainer: pl.Trainer, iteration: int) -> IterationContext:
-    return IterationContext(iteration=iteration, store=MemoryReplayStore(), trainer=trainer)
+def context(trainer: pl.Trainer, iteration: int, run_log: RunLog | None = None):
+    log = run_log if run_log is not None else RunLog()
+    return IterationContext(
+        iteration=iteration, store=MemoryReplayStore(), trainer=trainer, run_log=log
+    )
 
 
 def drive(trainer: pl.Trainer, system: System, results, start: int = 0, stop: int | None = None):
@@ -151,7 +164,7 @@ def drive(trainer: pl.Trainer, system: System, results, start: int = 0, stop: in
         system.iteration_index = result.iteration
         for cb in trainer.callbacks:
             if isinstance(cb, PPOCallback):
-                cb.on_iteration_end(context(trainer, result.iteration), result)
+                cb.on_iteration_end(context(trainer, result.iteration, system.run_log), result)
 
 
 def read_csv(trainer: pl.Trainer) -> list[dict[str, str]]:
@@ -190,7 +203,7 @@ def test_metrics_logger_writes_every_step(tmp_path, results):
         assert len(summary) == 1
         row = summary[0]
         result = results[it]
-        assert float(row["rollout/reward_mean"]) == pytest.approx(result.rollout["reward_mean"])
+        assert float(row["rollout/reward_mean"]) == pytest.approx(result.rollout.reward_mean)
         assert float(row["perf/tokens_per_second/actor"]) == pytest.approx(
             result.tokens["actor"] / result.seconds["actor"]
         )
@@ -203,11 +216,11 @@ def test_metrics_logger_writes_every_step(tmp_path, results):
         assert float(first["critic/stepped"]) == 1.0
 
     # Calling the hook again for the same iteration logs nothing new.
-    logger_cb.on_iteration_end(context(trainer, results[-1].iteration), results[-1])
+    logger_cb.on_iteration_end(context(trainer, results[-1].iteration, system.run_log), results[-1])
     assert len(read_csv(trainer)) == len(rows)
 
     assert [h["iteration"] for h in logger_cb.history] == list(range(ITERATIONS))
-    assert logger_cb.history[0]["reward_mean"] == pytest.approx(results[0].rollout["reward_mean"])
+    assert logger_cb.history[0]["reward_mean"] == pytest.approx(results[0].rollout.reward_mean)
     assert math.isfinite(logger_cb.history[-1]["critic_loss"])
     assert math.isfinite(logger_cb.history[-1]["actor_loss"])
 
@@ -215,16 +228,17 @@ def test_metrics_logger_writes_every_step(tmp_path, results):
 def test_metrics_logger_resume_continues_step_axis(tmp_path, results):
     first = PPOMetricsLogger()
     trainer = make_trainer(tmp_path / "a", [first])
-    drive(trainer, System(), results, stop=2)
-    state = first.state_dict()
+    system = System()
+    drive(trainer, system, results, stop=2)
+    state = system.run_log.state_dict()
     rows_before = read_csv(trainer)
     assert state["step"] == len(rows_before)
     assert len(state["history"]) == 2
 
-    resumed = PPOMetricsLogger()
-    resumed.load_state_dict(state)
+    resumed, system2 = PPOMetricsLogger(), System()
+    system2.run_log.load_state_dict(state)
     trainer2 = make_trainer(tmp_path / "b", [resumed])
-    drive(trainer2, System(), results, start=2)
+    drive(trainer2, system2, results, start=2)
     rows_after = read_csv(trainer2)
     steps = [int(r["step"]) for r in rows_after]
     assert steps[0] == state["step"]
@@ -249,7 +263,7 @@ def test_metrics_logger_handles_skipped_step(tmp_path):
     )
     result = IterationResult(
         iteration=0,
-        rollout={"reward_mean": 1.0, "reward_std": 0.0},
+        rollout=RolloutStats(reward_mean=1.0, reward_std=0.0),
         steps=[step],
         seconds={"critic": 0.0},
         tokens={"critic": 20},
@@ -295,7 +309,7 @@ def test_reward_curve_and_summary(tmp_path, results, capsys):
     assert [p[0] for p in curve2.points] == [0, 1, 2]
 
     content = json.loads((tmp_path / "summary.json").read_text())
-    rewards = [r.rollout["reward_mean"] for r in results]
+    rewards = [r.rollout.reward_mean for r in results]
     assert content["iterations"] == ITERATIONS
     assert content["max_iterations"] == ITERATIONS
     assert content["reward_first"] == pytest.approx(rewards[0])
@@ -327,7 +341,7 @@ def test_progress_prints_position_and_iteration_line(tmp_path, capsys, with_prog
     assert lines[0].startswith(f"iteration 1/{ITERATIONS} | phase critic | epoch 3/3 | chunk ")
     assert lines[1].startswith(f"iteration 1/{ITERATIONS} | phase actor | epoch 2/2 | chunk ")
     assert "reward" in lines[2] and "critic loss" in lines[2] and "actor loss" in lines[2]
-    assert f"{result.rollout['reward_mean']:.4g}" in lines[2]
+    assert f"{result.rollout.reward_mean:.4g}" in lines[2]
     assert lines[2].rstrip().endswith("s")
 
 
@@ -365,4 +379,4 @@ def test_wandb_offline_run_file(tmp_path, monkeypatch, results):
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
     assert os.path.getsize(files[0]) > 0
-    assert cb.step == ITERATIONS * (CRITIC_EPOCHS + ACTOR_EPOCHS * ACTOR_MINIBATCHES + 1)
+    assert cb.run_log.step == ITERATIONS * (CRITIC_EPOCHS + ACTOR_EPOCHS * ACTOR_MINIBATCHES + 1)

@@ -10,6 +10,7 @@ from _builders import filled_store, random_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lppo.data_settings import DataSettings
 from lppo.estimators import GRPO, RLOO, EstimatorInputs, ReinforcePP
 from lppo.parallel import SINGLE
 from lppo.planner import ChunkPlanner
@@ -31,7 +32,7 @@ def make_store(n_prompts: int, k: int, seed: int, invalid: int = 0):
 
 
 def run(estimator, store, budget: int, kl_coef: float, kl_kind: str) -> dict[int, torch.Tensor]:
-    planner = ChunkPlanner(budget, seed=3, drop_budget=len(store))
+    planner = ChunkPlanner(DataSettings(budget, seed=3, drop_budget=len(store)))
     [step] = planner.plan(store.meta()).steps
     estimator.estimate(EstimatorInputs(store, step, SINGLE, kl_coef, kl_kind))
     ids = [i for c in step.chunks for i in c]
@@ -207,7 +208,7 @@ def _rank_worker(rank: int, world: int, init: str, out: str) -> None:
         results = {}
         for name, cls in ESTIMATORS.items():
             store, _ = make_store(4, 3, seed=11)
-            planner = ChunkPlanner(14, world_size=world, rank=rank, seed=3)
+            planner = ChunkPlanner(DataSettings(14, seed=3), world_size=world, rank=rank)
             [step] = planner.plan(store.meta()).steps
             inputs = EstimatorInputs(store, step, ProcessGroup(world, rank), 0.1, "k3")
             cls().estimate(inputs)

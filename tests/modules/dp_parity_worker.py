@@ -25,6 +25,7 @@ if str(TESTS_DIR) not in sys.path:
 from _builders import filled_store, random_rows, tiny_backbone, tiny_lm  # noqa: E402
 
 from lppo.chunks import iter_chunks  # noqa: E402
+from lppo.data_settings import DataSettings  # noqa: E402
 from lppo.modules import ActorModule, CriticModule  # noqa: E402
 from lppo.parallel import ParallelContext  # noqa: E402
 from lppo.planner import ChunkPlanner  # noqa: E402
@@ -49,7 +50,7 @@ def budget() -> int:
 def plan_step(world_size: int, rank: int):
     """The (single) step plan of ``rank`` out of ``world_size``."""
     store = filled_store(rows())
-    planner = ChunkPlanner(budget(), world_size=world_size, rank=rank, seed=PLAN_SEED)
+    planner = ChunkPlanner(DataSettings(budget(), seed=PLAN_SEED), world_size=world_size, rank=rank)
     [step] = planner.plan(store.meta(), epoch=0, minibatches=1).steps
     return store, step
 

@@ -10,6 +10,7 @@ import torch
 from _builders import filled_store, random_rows, tiny_backbone, tiny_lm
 
 from lppo.chunks import iter_chunks, padding_chunk, read_chunk
+from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, CriticModule, StepStateError
 from lppo.planner import ChunkPlanner
 from lppo.types import (
@@ -66,7 +67,7 @@ def setup(n: int = 6, seed: int = 0, budget_rows: int = 2, minibatches: int = 1,
     cols = random_rows(n, seed, **rows_kw)
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
-    planner = ChunkPlanner(budget_rows * longest, seed=1, drop_budget=n)
+    planner = ChunkPlanner(DataSettings(budget_rows * longest, seed=1, drop_budget=n))
     return store, planner.plan(store.meta(), minibatches=minibatches)
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from lppo.algorithms import OffPolicyCorrection, importance_weights, policy_loss
 from lppo.chunks import iter_chunks, read_chunk
+from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, shifted_logprobs
 from lppo.planner import ChunkPlanner
 from lppo.types import ADVANTAGES, GEN_LOGPROBS, OLD_LOGPROBS
@@ -47,7 +48,7 @@ def one_step(actor: ActorModule, store, step):
 def test_behaviour_equal_to_old_is_plain_ppo_bitwise(mode):
     cols = rows_with_behaviour(6, seed=3, noise=0.0)
     store = filled_store(cols)
-    step = ChunkPlanner(20, seed=0).plan(store.meta(), epoch=0).steps[0]
+    step = ChunkPlanner(DataSettings(20, seed=0)).plan(store.meta(), epoch=0).steps[0]
     plain = CapturingActor(tiny_lm(), lr=1e-3, max_grad_norm=None, clip_high=0.28)
     corrected = copy.deepcopy(plain)
     corrected.off_policy = OffPolicyCorrection(mode, cap=1.5, floor=0.9)
@@ -94,7 +95,9 @@ def test_corrected_loss_streamed_equals_merged(n, data_seed, budget_slack, plan_
     cols = rows_with_behaviour(n, data_seed, noise=0.6)
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
-    epoch = ChunkPlanner(longest + budget_slack, seed=plan_seed).plan(store.meta(), epoch=0)
+    epoch = ChunkPlanner(DataSettings(longest + budget_slack, seed=plan_seed)).plan(
+        store.meta(), epoch=0
+    )
     actor = CapturingActor(
         tiny_lm(), lr=1e-3, max_grad_norm=None, off_policy=OffPolicyCorrection(mode, cap=1.5)
     )
@@ -110,7 +113,7 @@ def test_corrected_loss_streamed_equals_merged(n, data_seed, budget_slack, plan_
 def test_missing_behaviour_column_fails_clearly():
     cols = rows_with_behaviour(3, seed=0, noise=0.1)
     store = filled_store(cols)
-    step = ChunkPlanner(40).plan(store.meta(), epoch=0).steps[0]
+    step = ChunkPlanner(DataSettings(40)).plan(store.meta(), epoch=0).steps[0]
     actor = ActorModule(tiny_lm(), off_policy=OffPolicyCorrection("truncate"))
     actor.begin(step)
     with pytest.raises(ValueError, match="gen_logprobs"):

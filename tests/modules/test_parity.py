@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from lppo.algorithms import policy_loss, value_loss
 from lppo.chunks import iter_chunks, read_chunk
+from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, CriticModule, shifted_logprobs
 from lppo.planner import ChunkPlanner
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES
@@ -104,7 +105,9 @@ def test_actor_streamed_equals_merged(
     cols = random_rows(n, data_seed, invalid_rows=invalid)
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
-    planner = ChunkPlanner(longest + budget_slack, seed=plan_seed, drop_budget=invalid)
+    planner = ChunkPlanner(
+        DataSettings(longest + budget_slack, seed=plan_seed, drop_budget=invalid)
+    )
     epoch = planner.plan(store.meta(), epoch=0)
     assert len(epoch.invalid_rows) == invalid
 
@@ -157,7 +160,7 @@ def test_critic_streamed_equals_merged(n, data_seed, budget_slack, plan_seed, va
     cols = random_rows(n, data_seed)
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
-    epoch = ChunkPlanner(longest + budget_slack, seed=plan_seed).plan(store.meta())
+    epoch = ChunkPlanner(DataSettings(longest + budget_slack, seed=plan_seed)).plan(store.meta())
     critic = CapturingCritic(tiny_backbone(), value_clip=value_clip, max_grad_norm=None)
     want_diag, want_grads, want_norm = merged_critic_reference(critic, store, epoch.valid_rows)
 
@@ -182,7 +185,7 @@ def test_any_two_chunkings_agree(mode):
     longest = max(len(t) for t in cols["input_ids"])
     results = []
     for budget in (longest, 10 * longest):
-        epoch = ChunkPlanner(budget, seed=1).plan(store.meta())
+        epoch = ChunkPlanner(DataSettings(budget, seed=1)).plan(store.meta())
         actor = CapturingActor(tiny_lm(), max_grad_norm=None, loss_aggregation=mode)
         [(stats, grads)] = streamed(actor, store, epoch.steps, [OLD_LOGPROBS, ADVANTAGES])
         results.append((stats, grads, len(epoch.steps[0].chunks)))

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _builders import VOCAB, random_rows, tiny_backbone, tiny_lm
+from _builders import VOCAB, random_rows, stored, tiny_backbone, tiny_lm
+from lppo.callbacks import lifecycle
 from test_cli import fit_args
 
 from lppo.chunks import iter_chunks
 from lppo.cli import run
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.data_settings import DataSettings
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule, RewardModel
@@ -40,7 +42,7 @@ def test_scores_are_per_row_whatever_the_chunking():
     model.configure_model()
     want = [float(model.classifier(input_ids=ids[None]).logits[0, 0]) for ids in cols[INPUT_IDS]]
     for budget in (14, 1000):
-        [step] = ChunkPlanner(budget, seed=1).plan(store.meta()).steps
+        [step] = ChunkPlanner(DataSettings(budget, seed=1)).plan(store.meta()).steps
         got = {}
         for chunk in iter_chunks(store, step, []):
             got.update(zip(chunk.row_ids, model.score(chunk).tolist(), strict=True))
@@ -91,18 +93,18 @@ def test_controller_trains_on_the_combined_reward():
         ActorModule(tiny_lm(), lr=1e-3),
         CriticModule(tiny_backbone(), lr=1e-3),
         ReplayDataModule(max_tokens_per_chunk=30),
-        callbacks=[snap],
+        callbacks=[snap, *lifecycle()],
         reward_model=rm,
     )
-    result = ctl.run_iteration(rollout, iteration=0)
+    result = ctl.run_iteration(stored(ctl, rollout), iteration=0)
     raw = torch.stack(snap.rows[RM_SCORE])
     task = torch.stack(snap.rows[TASK_REWARD]).double()
     torch.testing.assert_close(task.float(), rollout.reward)
     norm = (raw - raw.mean()) / (raw.var(unbiased=False) + 1e-8).sqrt()
     want = (0.5 * task + norm).float()
     torch.testing.assert_close(torch.stack(snap.rows[REWARD]), want)
-    assert result.rollout["rm_score_mean"] == pytest.approx(float(raw.mean()))
-    assert result.rollout["reward_mean"] == pytest.approx(float(rollout.reward.double().mean()))
+    assert result.rollout.extra["rm_score_mean"] == pytest.approx(float(raw.mean()))
+    assert result.rollout.reward_mean == pytest.approx(float(rollout.reward.double().mean()))
 
 
 def test_reward_model_through_the_cli(tmp_path: Path):

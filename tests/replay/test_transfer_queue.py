@@ -20,12 +20,14 @@ import psutil
 import pytest
 import ray
 import torch
-from _builders import random_rows, tiny_backbone, tiny_lm
+from _builders import random_rows, stored, tiny_backbone, tiny_lm
 from _tq import RAY, listening_addresses, tq_store
+from lppo.callbacks import lifecycle
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationError, PPOController
+from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.estimators import GAE
 from lppo.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
@@ -69,6 +71,7 @@ def controller(store, callbacks=(), actor_cls=ActorModule) -> PPOController:
     data = ReplayDataModule(max_tokens_per_chunk=30, store=store)
     config = PPOConfig(critic_epochs=2, actor_epochs=2, actor_minibatches=2)
     actor, critic = actor_cls(tiny_lm(), lr=1e-3), CriticModule(tiny_backbone(), lr=1e-3)
+    callbacks = [*callbacks, *lifecycle(callbacks)]
     return PPOController(actor, critic, data, config, callbacks=callbacks, estimator=GAE())
 
 
@@ -87,7 +90,8 @@ class Probe(PPOCallback):
 def test_rows_retained_through_every_epoch_then_released_in_transfer_queue() -> None:
     store, probe = tq_store(), Probe()
     try:
-        result = controller(store, [probe]).run_iteration(rollout(6, 0), iteration=0)
+        ctl = controller(store, [probe])
+        result = ctl.run_iteration(stored(ctl, rollout(6, 0)), iteration=0)
         assert [(p, e) for p, e, *_ in probe.seen] == [
             ("critic", 0),
             ("critic", 1),
@@ -146,11 +150,12 @@ def test_iteration_killed_mid_phase_leaves_nothing_in_transfer_queue(
     try:
         ctl = controller(store, callbacks, actor_cls)
         with pytest.raises(IterationError, match=where):
-            ctl.run_iteration(rollout(6, 1), iteration=3)
+            ctl.run_iteration(stored(ctl, rollout(6, 1)), iteration=3)
         assert tq_keys(store) == set()
         assert catalog_rows(store) == 0 and store.claimed() == {} and store.nbytes() == 0
         # The store and a fresh controller go on; rows of the next iteration get new ids.
-        result = controller(store).run_iteration(rollout(4, 2), iteration=4)
+        ctl = controller(store)
+        result = ctl.run_iteration(stored(ctl, rollout(4, 2)), iteration=4)
         assert len(result.phase_steps("critic")) == 2
         assert tq_keys(store) == set()
         assert min(store.allocate(1)) >= 10

@@ -11,8 +11,16 @@ import torch
 from _tq import RAY, ray_processes
 
 from lppo.models import HFCausalLM
+from lppo.modules import ActorModule
 from lppo.ray_runtime import configure_ray
-from lppo.rollout import GenerationOutput, HFGenerateEngine, RolloutSettings, to_rollout
+from lppo.rollout import (
+    GenerationOutput,
+    HFGenerateEngine,
+    RolloutSettings,
+    RolloutSource,
+    score,
+    to_rollout,
+)
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import derive_seed
 from lppo.tasks import CopyTask
@@ -118,6 +126,24 @@ def test_waits_are_bounded(workers):
             workers.generate(PROMPTS, 2, SEED)
     finally:
         workers.timeout_s = 120
+
+
+def test_greedy_evaluation_through_the_workers_is_the_in_process_greedy(workers):
+    actor = ActorModule(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=3))
+    actor.configure_model(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+    actor.weights_version = workers.weights_version + 1  # the workers must be synced to it
+    source = RolloutSource(TASK, workers, actor, SAMPLING)
+    got = source.evaluate(PROMPTS, 1, SEED, greedy=True)
+    assert workers.weights_version == actor.weights_version
+    engine = HFGenerateEngine()
+    engine.setup(actor.model, TOK, SAMPLING)
+    want = engine.generate(PROMPTS, 1, seed=0, greedy=True)  # greedy: the seed is irrelevant
+    assert rows(got.output) == rows(want)
+    assert got.output.completions == want.completions
+    assert got.rewards == score(TASK, PROMPTS, want).tolist()
+    # The workers' parts sample from seeds of their own: greedy reached every worker.
+    sampled = source.evaluate(PROMPTS, 1, SEED)
+    assert rows(sampled.output) != rows(want)
 
 
 def test_close_leaves_no_worker_process(workers):

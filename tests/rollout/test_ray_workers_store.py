@@ -15,11 +15,13 @@ import pytest
 import ray
 import torch
 from _tq import RAY, tq_store
+from lppo.callbacks import lifecycle
 from replay.test_transfer_queue import catalog_rows, tq_keys
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationError, PPOController
+from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.estimators import GAE
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
@@ -92,7 +94,7 @@ def test_a_fit_equals_the_return_samples_path(tmp_path):
     assert direct.rollout_source.writer is direct.engine and local.rollout_source.writer is None
     assert [r.rollout for r in got] == [r.rollout for r in want]
     assert [r.steps for r in got] == [r.steps for r in want]
-    assert sum(r.rollout["bad_rewards"] for r in got) > 0  # marked in the workers
+    assert sum(r.rollout.bad_rewards for r in got) > 0  # marked in the workers
     for a, b in zip(direct.actor.parameters(), local.actor.parameters(), strict=True):
         assert torch.equal(a, b)  # the second rollout came from the new weights alike
 
@@ -241,6 +243,7 @@ def controller(store, callbacks=(), drop_budget: int = 0) -> PPOController:
     critic = CriticModule(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=1), lr=1e-3)
     critic.configure_model(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
     config = PPOConfig(max_abs_reward=0.5, mask_truncated=True)
+    callbacks = [*callbacks, *lifecycle(callbacks)]
     return PPOController(actor(), critic, data, config, callbacks=callbacks, estimator=GAE())
 
 
@@ -257,7 +260,7 @@ def test_lost_samples_count_against_the_drop_budget_and_nothing_is_left(workers)
         assert tq_keys(store) == {str(i) for i in got.row_ids}  # the lost parts left nothing
         assert catalog_rows(store) == len(got) == 8
         with pytest.raises(IterationError, match=r"drop_budget"):
-            controller(store).run_iteration(got, iteration=0, dropped=got.dropped)
+            controller(store).run_iteration(got, iteration=0)
         assert tq_keys(store) == set() and catalog_rows(store) == 0  # released on abort
     finally:
         workers.max_restarts = 2
@@ -278,7 +281,7 @@ def test_a_failure_after_the_workers_put_releases_their_rows_once(workers):
         # The same rows through the whole iteration: released once at its end.
         got = source(workers, store).collect(1)
         result = controller(store, drop_budget=12).run_iteration(got, iteration=1)
-        assert result.rollout["bad_rewards"] == got.bad_rewards
+        assert result.rollout.bad_rewards == got.bad_rewards
         assert tq_keys(store) == set() and catalog_rows(store) == 0
     finally:
         store.close()

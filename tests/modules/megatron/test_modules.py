@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lppo.chunks import iter_chunks
+from lppo.data_settings import DataSettings
 from lppo.modules.megatron import MegatronActor, MegatronCritic
 from lppo.modules.megatron.model import require_megatron
 from lppo.modules.megatron.ops import vocab_parallel_logprobs
@@ -61,7 +62,9 @@ def plan_for(n, seed, budget_slack=0, budget=None, invalid=0, minibatches=1):
     cols = random_rows(n, seed, invalid_rows=invalid)
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
-    planner = ChunkPlanner(budget or longest + budget_slack, seed=1, drop_budget=invalid)
+    planner = ChunkPlanner(
+        DataSettings(budget or longest + budget_slack, seed=1, drop_budget=invalid)
+    )
     return store, planner.plan(store.meta(), epoch=0, minibatches=minibatches)
 
 

@@ -30,6 +30,7 @@ from _builders import filled_store, random_rows  # noqa: E402
 from _mbuilders import make  # noqa: E402
 
 from lppo.chunks import iter_chunks, read_chunk  # noqa: E402
+from lppo.data_settings import DataSettings  # noqa: E402
 from lppo.modules.megatron.convert import unshard  # noqa: E402
 from lppo.parallel import ParallelContext  # noqa: E402
 from lppo.planner import ChunkPlanner  # noqa: E402
@@ -43,7 +44,9 @@ def run(world_size: int, rank: int, layout: str) -> dict:
     store = filled_store(cols)
     longest = max(len(t) for t in cols["input_ids"])
     dp = world_size if layout == "dp" else 1
-    planner = ChunkPlanner(longest + 4, seed=2, world_size=dp, rank=rank if dp > 1 else 0)
+    planner = ChunkPlanner(
+        DataSettings(longest + 4, seed=2), world_size=dp, rank=rank if dp > 1 else 0
+    )
     epoch = planner.plan(store.meta(), minibatches=2)
     out: dict = {}
     for role in ("actor", "critic"):
