@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -71,6 +71,9 @@ class PPOSystem(LightningModule):
             ``(seed, i)``, so a resumed run samples exactly what the uninterrupted run would).
         num_threads: ``torch.set_num_threads`` at setup (``null`` leaves torch's default).
     """
+
+    #: ``model.num_threads`` is applied at setup, so a resumed run may change it.
+    resume_safe: ClassVar[tuple[str, ...]] = ("num_threads",)
 
     def __init__(
         self,

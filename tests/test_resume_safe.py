@@ -24,7 +24,7 @@ from lppo.system import PPOSystem
 from lppo.tasks import CopyTask
 
 
-class RenamedEngine(RecordsInitArgs, HFGenerateEngine):
+class RenamedEngine(HFGenerateEngine):
     """``HFGenerateEngine`` whose knobs have other names than the attributes holding them."""
 
     resume_safe = ("per_call",)

@@ -6,11 +6,12 @@ import torch
 
 from lppo.algorithms import advantages_and_returns
 from lppo.estimators.base import EstimatorInputs, TargetMoments
+from lppo.init_args import RecordsInitArgs
 from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk
 from lppo.validation import check_number
 
 
-class GAE:
+class GAE(RecordsInitArgs):
     """Token-level GAE over each row, then whitening over every valid token of the iteration.
 
     Per chunk: ``r_t = score·[t = last] − β·KL_t`` (:func:`~lppo.algorithms.token_rewards`),

@@ -17,6 +17,7 @@ import torch
 
 from lppo.algorithms import kl_penalty
 from lppo.estimators.base import EstimatorInputs
+from lppo.init_args import RecordsInitArgs
 from lppo.stats import Moments
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD
 from lppo.validation import check_number
@@ -78,7 +79,7 @@ def _summary(values: Iterable[float]) -> dict[str, float]:
     return {"advantage_abs_mean": math.fsum(abs(v) for v in vals) / max(len(vals), 1)}
 
 
-class GRPO:
+class GRPO(RecordsInitArgs):
     """Group-relative advantages: ``A_i = (s_i − mean_g) / (std_g + eps)`` (DeepSeekMath).
 
     ``mean_g`` and the population ``std_g`` are over the valid samples of row ``i``'s prompt.
@@ -113,7 +114,7 @@ class GRPO:
         return _summary(adv.values())
 
 
-class RLOO:
+class RLOO(RecordsInitArgs):
     """REINFORCE leave-one-out: ``A_i = s_i − mean_{j ≠ i, j ∈ g} s_j`` (Ahmadian et al. 2024).
 
     Equivalently ``A_i = k/(k − 1) · (s_i − mean_g)`` for a group of ``k`` valid samples; a

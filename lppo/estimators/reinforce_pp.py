@@ -6,12 +6,13 @@ import torch
 
 from lppo.algorithms import gae
 from lppo.estimators.base import EstimatorInputs
+from lppo.init_args import RecordsInitArgs
 from lppo.stats import Moments
 from lppo.types import ADVANTAGES
 from lppo.validation import check_number
 
 
-class ReinforcePP:
+class ReinforcePP(RecordsInitArgs):
     """Critic-free token advantages: ``A_t = whiten(Σ_{t' ≥ t} γ^{t'−t} r_{t'})``.
 
     ``r_t = r·[t = last] − β·KL_t`` (:func:`~lppo.algorithms.token_rewards`, KL in the reward),

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 import transformers
 
+from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.hf_prefill import (
     cache_keyword,
@@ -69,7 +70,7 @@ class _Sample:
     truncated: bool
 
 
-class HFGenerateEngine:
+class HFGenerateEngine(RecordsInitArgs):
     """Samples responses with ``model.generate`` (left-padded batches, KV cache).
 
     The engine holds the actor's model by reference, so after an optimizer step it already

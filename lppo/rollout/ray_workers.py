@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lppo.init_args import RecordsInitArgs
 from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout, concat_stored, put_rollout
@@ -161,7 +162,7 @@ class RolloutWorker:
         return os.getpid(), ray_module().get_runtime_context().get_node_id()
 
 
-class RayWorkersEngine:
+class RayWorkersEngine(RecordsInitArgs):
     """A :class:`~lppo.rollout.RolloutEngine` whose samples come from N Ray actor workers.
 
     Args:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 import transformers
 
+from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.hf import encode_prompt
 from lppo.tasks.base import Prompt
@@ -47,7 +48,7 @@ def import_vllm() -> Any:
     return vllm
 
 
-class VLLMEngine:
+class VLLMEngine(RecordsInitArgs):
     """Samples responses with vLLM, in this process; weights synced after every actor phase.
 
     Args:
