@@ -11,7 +11,7 @@ class AbortCleanup(PPOCallback):
     Aborting restores the pre-``begin`` state (no optimizer step; gradients dropped), so a
     half-trained step never leaks into the model. The rows are released by
     :class:`~lppo.callbacks.RowRetention`; the controller then re-raises the error as
-    :class:`~lppo.controller.IterationError` naming the iteration, phase, epoch and chunk.
+    :class:`~lppo.errors.IterationError` naming the iteration, phase, epoch and chunk.
     """
 
     def on_ppo_abort(self, ctx: IterationContext, error: BaseException) -> None:

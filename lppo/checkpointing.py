@@ -28,8 +28,6 @@ from lppo.init_args import Record, check_resume_safe, class_path, record
 COMPONENTS = ("actor", "critic", "task", "engine", "estimator", "reward_model")
 #: The system's dataclass groups of settings, recorded as ``model.<group>.<field>``.
 GROUPS = ("rollout", "ppo")
-#: The datamodule's settings that shape training, recorded as ``data.<name>``.
-DATA_SETTINGS = ("max_tokens_per_chunk", "drop_budget", "fixed_rows_per_rank", "shuffle", "seed")
 #: Entry of the recorded settings listing the keys a resumed run may change (not a setting).
 RESUME_SAFE = "<resume_safe>"
 TMP_MARK = ".tmp-lppo-"
@@ -110,16 +108,19 @@ def run_settings(system: Any, data: Any) -> dict[str, Any]:
         if obj is not None:
             _flatten(record(obj), f"model.{name}", out, safe)
     for group in GROUPS:
-        obj = getattr(system, group)
-        settings = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
-        _add(Record(class_path(type(obj)), settings, _declared(obj)), "model", group, out, safe)
+        _add(_fields(getattr(system, group)), "model", group, out, safe)
+    _add(_fields(data.settings), "", "data", out, safe)
     own = record(system)  # the system's plain init arguments, its components recorded above
     settings = {k: v for k, v in own.settings.items() if k not in COMPONENTS + GROUPS}
     _add(dataclasses.replace(own, settings=settings), "", "model", out, safe)
-    for name in DATA_SETTINGS:
-        out[f"data.{name}"] = getattr(data, name, None)
     out[RESUME_SAFE] = sorted(safe)
     return out
+
+
+def _fields(obj: Any) -> Record:
+    """The :class:`Record` of a frozen settings dataclass (``model.ppo``, ``data``, ...)."""
+    settings = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    return Record(class_path(type(obj)), settings, _declared(obj))
 
 
 def _declared(obj: Any) -> tuple[str, ...]:

@@ -53,7 +53,7 @@ from lppo.types import (
     RolloutStats,
 )
 
-__all__ = ["IterationError", "IterationResult", "PPOController", "disable_dropout"]
+__all__ = ["PPOController", "disable_dropout"]
 
 
 def disable_dropout(module: nn.Module) -> None:

@@ -68,36 +68,6 @@ class ReplayDataModule(LightningDataModule):
         self._planner: ChunkPlanner | None = None
 
     @property
-    def max_tokens_per_chunk(self) -> int:
-        """``data.max_tokens_per_chunk`` (see :class:`DataSettings`)."""
-        return self.settings.max_tokens_per_chunk
-
-    @property
-    def max_tokens_per_score_chunk(self) -> int | None:
-        """``data.max_tokens_per_score_chunk`` as set (``None``: the training budget)."""
-        return self.settings.max_tokens_per_score_chunk
-
-    @property
-    def drop_budget(self) -> int:
-        """``data.drop_budget``."""
-        return self.settings.drop_budget
-
-    @property
-    def fixed_rows_per_rank(self) -> bool:
-        """``data.fixed_rows_per_rank``."""
-        return self.settings.fixed_rows_per_rank
-
-    @property
-    def shuffle(self) -> bool:
-        """``data.shuffle``."""
-        return self.settings.shuffle
-
-    @property
-    def seed(self) -> int:
-        """``data.seed``."""
-        return self.settings.seed
-
-    @property
     def planner(self) -> ChunkPlanner:
         """The chunk planner of this run, built by :meth:`configure`.
 

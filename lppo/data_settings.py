@@ -9,6 +9,7 @@ longest possible row, rows per iteration, minibatches) against those settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from lppo.validation import check_number
 
@@ -30,6 +31,10 @@ class DataSettings:
         shuffle: shuffle rows every epoch (``False`` keeps the iteration's sample order).
         seed: base seed of the per-epoch shuffles.
     """
+
+    #: The score phase's chunking is a speed knob (the planner is built at setup, so a resumed
+    #: run uses the new budget; the scores are the same up to float round-off).
+    resume_safe: ClassVar[tuple[str, ...]] = ("max_tokens_per_score_chunk",)
 
     max_tokens_per_chunk: int = 4096
     max_tokens_per_score_chunk: int | None = None

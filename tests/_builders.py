@@ -7,7 +7,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from lppo.controller import PPOController
 from lppo.replay import MemoryReplayStore
-from lppo.replay.rollout_rows import StoredRollout, put_rollout
+from lppo.replay.rollout_rows import StoredRollout
+from lppo.rollout.source import put_samples
 from lppo.types import (
     ADVANTAGES,
     INPUT_IDS,
@@ -94,7 +95,6 @@ def filled_store(cols: dict[str, list[torch.Tensor]]) -> MemoryReplayStore:
     return store
 
 
-def stored(controller: PPOController, rollout: Rollout) -> StoredRollout:
-    """Put ``rollout`` into ``controller``'s store as the rollout source would (its row rules)."""
-    store = controller.data.store
-    return put_rollout(store, store.allocate(len(rollout)), rollout, controller.config.row_rules())
+def stored(controller: PPOController, rollout: Rollout, iteration: int = 0) -> StoredRollout:
+    """Put ``rollout`` into ``controller``'s store as the rollout source does (its row rules)."""
+    return put_samples(controller.data.store, rollout, controller.config.row_rules(), iteration)

@@ -182,7 +182,7 @@ def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[
     # ... and it trains (1 iteration).
     cli = run(["fit", "--config", str(path)])
     assert cli.trainer.current_epoch == 1
-    assert cli.datamodule.max_tokens_per_chunk == 256
+    assert cli.datamodule.settings.max_tokens_per_chunk == 256
     assert json.loads((root / "summary.json").read_text())["iterations"] == 1
 
 
@@ -219,7 +219,7 @@ def read_metrics(cli: Any) -> list[dict[str, str]]:
 def test_overrides_take_effect(short_run: tuple[Any, Path]) -> None:
     cli, root = short_run
     data, system = cli.trainer.datamodule, cli.trainer.lightning_module
-    assert data.max_tokens_per_chunk == 256
+    assert data.settings.max_tokens_per_chunk == 256
     assert data.planner.max_tokens_per_chunk == 256
     assert system.ppo.actor_epochs == ACTOR_EPOCHS
     assert system.ppo.critic_epochs == 2  # from the YAML, untouched

@@ -154,8 +154,8 @@ def test_a_fault_anywhere_in_an_iteration_is_cleaned_up_and_resumable():
         else:
             module = ctl.critic if name == "critic" else ctl.actor
             module.finish = _failing_once(module, n)
-        try:
-            ctl.run_iteration(stored(ctl, make_rollout(6, 1)), iteration=1)
+        try:  # the collect phase's put (the rollout source's), then the controller's phases
+            ctl.run_iteration(stored(ctl, make_rollout(6, 1), iteration=1), iteration=1)
             problems.append(f"{kind} {name}[{n}]: no error")
             continue
         except IterationError as error:

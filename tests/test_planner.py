@@ -387,8 +387,9 @@ def test_the_data_module_builds_its_planner_once(monkeypatch: pytest.MonkeyPatch
     layout = RowLayout(meta=meta, owners=(0,) * 6)
     data = ReplayDataModule(max_tokens_per_chunk=32, seed=4, drop_budget=1, shuffle=False)
     assert built == []  # settings only: no planner before setup
-    assert (data.max_tokens_per_chunk, data.seed, data.drop_budget) == (32, 4, 1)
-    assert (data.shuffle, data.fixed_rows_per_rank) == (False, False)
+    settings = data.settings
+    assert (settings.max_tokens_per_chunk, settings.seed, settings.drop_budget) == (32, 4, 1)
+    assert (settings.shuffle, settings.fixed_rows_per_rank) == (False, False)
     data.configure(world_size=2, rank=1, max_row_length=8, rows_per_iteration=6, minibatches=2)
     assert len(built) == 1 and (built[0].world_size, built[0].rank) == (2, 1)
     assert built[0].settings is data.settings

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationError
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule

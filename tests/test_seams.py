@@ -184,7 +184,7 @@ class _BadRewards(BatchOnlyTask):
     ],
 )
 def test_a_broken_reward_function_fails_clearly(tmp_path: Path, mode, fragment) -> None:
-    from lppo.controller import IterationError
+    from lppo.errors import IterationError
 
     with pytest.raises(IterationError, match=rf"iteration 1, phase rollout: .*{fragment}"):
         fit(tmp_path, iterations=1, task=_BadRewards(mode))

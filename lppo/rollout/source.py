@@ -101,6 +101,22 @@ def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
     )
 
 
+def put_samples(
+    store: ReplayStore, rollout: Rollout, rules: RowRules, iteration: int
+) -> StoredRollout:
+    """Put the trainer's rewarded samples of ``iteration`` into ``store`` as rows.
+
+    Raises:
+        IterationError: allocating or putting failed (``put_rollout`` left none of the rows
+            behind); the message names the iteration and the collect phase.
+    """
+    try:
+        return put_rollout(store, store.allocate(len(rollout)), rollout, rules)
+    except Exception as error:
+        where = f"{iteration_label(iteration)}, phase collect"
+        raise IterationError(f"{where}: {type(error).__name__}: {error}") from error
+
+
 class RolloutSource:
     """Generates and rewards each iteration's samples, keeping the engine on fresh weights.
 
@@ -198,11 +214,7 @@ class RolloutSource:
             raise IterationError(f"{iteration_label(iteration)}, phase rollout: {error}") from error
         if self.store is None:
             return rollout
-        try:
-            return put_rollout(self.store, self.store.allocate(len(rollout)), rollout, self.rules)
-        except Exception as error:  # put_rollout discarded what it put
-            where = f"{iteration_label(iteration)}, phase collect"
-            raise IterationError(f"{where}: {type(error).__name__}: {error}") from error
+        return put_samples(self.store, rollout, self.rules, iteration)
 
     def _rewarded(self, prompts: list[Prompt], share: list[PromptBlock]) -> Rollout:
         """Generate every block of ``share`` here and reward the samples in one call."""

@@ -18,8 +18,8 @@ import ray
 from _tq import listening_addresses, ray_processes
 
 from lppo.config import PPOConfig
-from lppo.controller import IterationError
 from lppo.data import ReplayDataModule
+from lppo.errors import IterationError
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule

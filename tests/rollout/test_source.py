@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lppo.controller import IterationError
+from lppo.errors import IterationError
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule
 from lppo.parallel import ProcessGroup
