@@ -153,11 +153,13 @@ def settings_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[li
     """
     safe = set(current.get(RESUME_SAFE, ()))
     # A checkpoint from before settings were recorded from init arguments has no RESUME_SAFE
-    # entry: it is compared on the keys it recorded, where *args / **kwargs appeared as None.
+    # entry: it is compared on the keys it recorded, except those it recorded as None (its
+    # recorder wrote None for what it could not read back: *args / **kwargs, an argument kept
+    # under another name, such as the copy task's alphabet_size).
     legacy = RESUME_SAFE not in saved
     applicable, refused = [], []
     for key in sorted((set(saved) | set(current)) - {RESUME_SAFE}):
-        if legacy and (key not in saved or (key not in current and saved[key] is None)):
+        if legacy and saved.get(key) is None:
             continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if old != new and not (isinstance(old, list) and list(old) == new):

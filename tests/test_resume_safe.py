@@ -120,11 +120,19 @@ def test_checkpoints_written_before_the_resume_safe_entry_still_resume():
     legacy = {k: v for k, v in current.items() if k != RESUME_SAFE}
     legacy.pop("model.tokenizer_path")  # not recorded then
     legacy["model.actor.init_args.kwargs"] = None  # **kwargs was recorded as None then
+    # read back by attribute name then: the copy task keeps alphabet_size under another name
+    legacy["model.task.init_args.alphabet_size"] = None
     assert settings_changes(legacy, current) == ([], [])
+    # What such a checkpoint did record is still compared.
+    moved = dict(legacy, **{"model.seed": current["model.seed"] + 1})
+    assert settings_changes(moved, current)[1] == [
+        f"model.seed: {current['model.seed'] + 1!r} -> {current['model.seed']!r}"
+    ]
     # A checkpoint with the entry is compared on every key.
     _, refused = settings_changes(dict(legacy, **{RESUME_SAFE: []}), current)
     assert refused == [
         "model.actor.init_args.kwargs: None -> '<absent>'",
+        "model.task.init_args.alphabet_size: None -> 8",
         "model.tokenizer_path: '<absent>' -> None",
     ]
 
