@@ -146,3 +146,13 @@ def test_a_real_resume_applies_the_declared_knob_and_refuses_another(tmp_path):
     _, resumed = fit(tmp_path / "applied", 2, ckpt_path=last, engine=RenamedEngine(per_call=3))
     assert resumed.engine.batch_size == 3
     assert resumed.current_epoch == 2  # restored from iteration 1, trained iteration 2
+
+
+def test_a_reward_model_records_its_classifier_spec():
+    """Its spec was recorded as None when settings were read back by attribute name."""
+    from lppo.models import HFCausalLM
+    from lppo.modules import RewardModel
+
+    rec = record(RewardModel(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2), weight=0.5))
+    assert isinstance(rec.settings["model"], Record)
+    assert rec.settings["model"].settings["hidden_size"] == 32 and rec.settings["weight"] == 0.5

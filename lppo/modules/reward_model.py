@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lppo.init_args import RecordsInitArgs
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.stats import Moments
 from lppo.tail import check_trimmable, trimmed
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from lppo.models import HFCausalLM
 
 
-class RewardModel(nn.Module):
+class RewardModel(RecordsInitArgs, nn.Module):
     """A frozen sequence classifier whose score joins (or replaces) the task's reward.
 
     Each row is scored once, in the streamed score phase, from the classifier's ``score`` head
