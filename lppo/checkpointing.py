@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import os
@@ -32,6 +33,7 @@ GROUPS = ("rollout", "ppo")
 RESUME_SAFE = "<resume_safe>"
 TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
+RUN_LOG_KEY = "lppo_run_log"
 
 
 class CheckpointError(ValueError):
@@ -165,3 +167,30 @@ def settings_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[li
         if old != new and not (isinstance(old, list) and list(old) == new):
             (applicable if key in safe else refused).append(f"{key}: {old!r} -> {new!r}")
     return applicable, refused
+
+
+def upgrade_layout(checkpoint: dict[str, Any]) -> None:
+    """Bring a checkpoint written before the run log existed to today's layout, in place.
+
+    Then the metrics axis and history were ``PPOMetricsLogger``'s callback state, each
+    evaluation's history its ``Evaluation``'s, the failure count ``lppo_failed_iterations``,
+    and the lifecycle callbacks' state ``lppo_builtin_callbacks``. Moved to the run log and to
+    Lightning's callback states, a resumed run continues them instead of starting over.
+    """
+    if RUN_LOG_KEY in checkpoint:
+        return
+    callbacks = checkpoint.setdefault("callbacks", {})
+    logger = callbacks.get("PPOMetricsLogger", {})
+    evaluations = {
+        ast.literal_eval(key[len("Evaluation") :])["prefix"]: state["history"]
+        for key, state in callbacks.items()
+        if key.startswith("Evaluation{") and state.get("history")
+    }
+    checkpoint[RUN_LOG_KEY] = {
+        "step": logger.get("step", 0),
+        "history": logger.get("history", []),
+        "evaluations": evaluations,
+        "failed": checkpoint.pop("lppo_failed_iterations", 0),
+    }
+    for name, state in checkpoint.pop("lppo_builtin_callbacks", {}).items():
+        callbacks.setdefault(name, state)

@@ -10,7 +10,14 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
-from lppo.checkpointing import SETTINGS_KEY, CheckpointError, run_settings, settings_changes
+from lppo.checkpointing import (
+    RUN_LOG_KEY,
+    SETTINGS_KEY,
+    CheckpointError,
+    run_settings,
+    settings_changes,
+    upgrade_layout,
+)
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
@@ -238,13 +245,14 @@ class PPOSystem(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the task's state, the run log (with the failure count) and the run's settings."""
         checkpoint["lppo_task"] = self.task.state_dict()
-        checkpoint["lppo_run_log"] = self.run_log.state_dict()
+        checkpoint[RUN_LOG_KEY] = self.run_log.state_dict()
         checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(attached_trainer(self)))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the task's state, so a resumed run continues its prompts where it stopped."""
         self.task.load_state_dict(checkpoint.get("lppo_task", {}))
-        self.run_log.load_state_dict(checkpoint.get("lppo_run_log", {}))
+        upgrade_layout(checkpoint)  # before Lightning restores the callbacks from it
+        self.run_log.load_state_dict(checkpoint[RUN_LOG_KEY])
         saved = checkpoint.get(SETTINGS_KEY)
         trainer = attached_trainer(self)
         if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)

@@ -122,3 +122,24 @@ def test_the_per_run_skipped_step_budget_survives_a_resume(tmp_path):
     # The resumed run's first skipped step is the run's third, its second is one too many.
     with pytest.warns(RuntimeWarning), pytest.raises(IterationError, match="max_skipped_steps=3"):
         fit(tmp_path, 2, ckpt_path="last", callbacks=[PoisonActorGrads()], **budget)
+
+
+def test_a_checkpoint_from_before_the_run_log_resumes_its_axis_and_counters(tmp_path):
+    """Then the axis lived in PPOMetricsLogger's state and the counters beside the callbacks."""
+    trainer, _ = fit(tmp_path / "run", 2)
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    log = checkpoint.pop("lppo_run_log")
+    callbacks = checkpoint["callbacks"]
+    callbacks["PPOMetricsLogger"] = {"step": log["step"], "history": log["history"]}
+    step_state = callbacks.pop("OptimizerStep")
+    step_state["total"] = 3  # as if three steps had been skipped
+    checkpoint["lppo_builtin_callbacks"] = {"OptimizerStep": step_state}
+    checkpoint["lppo_failed_iterations"] = 1
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    trainer, system = fit(tmp_path / "run", 3, ckpt_path=str(old))
+    assert [h["iteration"] for h in system.run_log.history] == [0, 1, 2]
+    assert system.run_log.history[2]["step"] > log["step"]  # the axis went on, not over
+    assert system.run_log.failed == 1
+    (skips,) = [cb for cb in trainer.callbacks if type(cb).__name__ == "OptimizerStep"]
+    assert skips.total == 3
