@@ -96,7 +96,9 @@ class PPOMetricsLogger(PPOCallback):
       ``actor/approx_kl``, ``actor/entropy`` and any further ``StepStats.metrics``;
     * one iteration row: ``rollout/<name>`` for :data:`ROLLOUT_KEYS`,
       ``perf/tokens_per_second/<phase>``, ``perf/seconds/<phase>``,
-      ``perf/padding_fraction/<phase>`` (score, critic, actor) and ``perf/peak_memory_bytes``.
+      ``perf/padding_fraction/<phase>`` (score, critic, actor), ``perf/generation/<k>``
+      (the rollout's wait, generation, overlap and generator-idle seconds) and
+      ``perf/peak_memory_bytes``.
 
     A failed iteration gets one row: ``iteration/failed`` (1) and ``iteration/failed_total``.
 
@@ -169,6 +171,8 @@ class PPOMetricsLogger(PPOCallback):
             if seconds is not None and tokens is not None:
                 row[f"perf/tokens_per_second/{phase}"] = tokens / seconds if seconds > 0 else 0.0
         row.update({f"perf/seconds/{k}": float(v) for k, v in result.seconds.items()})
+        generation = getattr(result, "generation", {})
+        row.update({f"perf/generation/{k}": float(v) for k, v in generation.items()})
         padding = getattr(result, "padding", {})
         row.update({f"perf/padding_fraction/{k}": float(v) for k, v in padding.items()})
         row["perf/peak_memory_bytes"] = float(peak_memory_bytes(pl_module))

@@ -29,11 +29,15 @@ from lppo.init_args import Record, check_resume_safe, class_path, record
 COMPONENTS = ("actor", "critic", "task", "engine", "estimator", "reward_model")
 #: The system's dataclass groups of settings, recorded as ``model.<group>.<field>``.
 GROUPS = ("rollout", "ppo")
+#: System arguments a resumed run may change freely: where rollouts are generated changes
+#: timing, never rows.
+FREE = ("runner",)
 #: Entry of the recorded settings listing the keys a resumed run may change (not a setting).
 RESUME_SAFE = "<resume_safe>"
 TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
+ROLLOUTS_KEY = "lppo_rollouts"
 
 
 class CheckpointError(ValueError):
@@ -113,7 +117,7 @@ def run_settings(system: Any, data: Any) -> dict[str, Any]:
         _add(_fields(getattr(system, group)), "model", group, out, safe)
     _add(_fields(data.settings), "", "data", out, safe)
     own = record(system)  # the system's plain init arguments, its components recorded above
-    settings = {k: v for k, v in own.settings.items() if k not in COMPONENTS + GROUPS}
+    settings = {k: v for k, v in own.settings.items() if k not in COMPONENTS + GROUPS + FREE}
     _add(dataclasses.replace(own, settings=settings), "", "model", out, safe)
     out[RESUME_SAFE] = sorted(safe)
     return out

@@ -49,6 +49,7 @@ from lppo.types import (
     OLD_LOGPROBS,
     RETURNS,
     VALUES,
+    GenerationReport,
     IterationResult,
     RolloutStats,
 )
@@ -144,7 +145,11 @@ class PPOController:
         )
 
     def run_iteration(
-        self, rollout: StoredRollout, iteration: int, rollout_seconds: float = 0.0
+        self,
+        rollout: StoredRollout,
+        iteration: int,
+        rollout_seconds: float = 0.0,
+        generation: GenerationReport | None = None,
     ) -> IterationResult:
         """Run one RL iteration on ``rollout``; rows are released whatever happens.
 
@@ -155,6 +160,8 @@ class PPOController:
                 ranks) counts against the drop budget.
             iteration: iteration index (seeds the shuffles; decides critic warmup).
             rollout_seconds: time spent generating ``rollout`` (reported, not used).
+            generation: the rollout's lag and generation timing (reported, not used;
+            ``None``: generated synchronously, staleness 0).
 
         Raises:
             IterationError: anything failed; open steps were aborted and rows released.
@@ -164,7 +171,7 @@ class PPOController:
         try:
             # model.ppo.transactional: actor and critic commit together or not at all
             backup = Transaction(self.trainable_modules()) if self.config.transactional else None
-            return self._run(ctx, rollout, rollout_seconds)
+            return self._run(ctx, rollout, rollout_seconds, generation or GenerationReport())
         except BaseException as error:
             where = ctx.where()
             self._abort(ctx, error)
@@ -186,7 +193,11 @@ class PPOController:
 
     # ----------------------------------------------------------------- phases
     def _run(
-        self, ctx: IterationContext, rollout: StoredRollout, rollout_seconds: float
+        self,
+        ctx: IterationContext,
+        rollout: StoredRollout,
+        rollout_seconds: float,
+        generation: GenerationReport,
     ) -> IterationResult:
         cfg = self.config
         group = self.parallel.data
@@ -196,6 +207,7 @@ class PPOController:
         # 1. collect (each rank its own rows; the layout of every rank's rows is gathered once)
         self._emit("on_rollout_end", ctx)
         stats, rollout_tokens = rollout_stats(rollout, group)
+        stats.staleness = float(generation.staleness)
         tokens = {"rollout": rollout_tokens}
         rows = self.data.layout(ctx.row_ids, group)
         dropped = int(stats.dropped_rows)  # every rank's
@@ -236,6 +248,7 @@ class PPOController:
         ctx.module = ctx.plan = None
         steps = list(ctx.step_stats)
         result = IterationResult(ctx.iteration, stats, steps, seconds, tokens, padding)
+        result.generation = generation.timing()
         self._emit("on_iteration_end", ctx, result)
         if not ctx.rows_released:
             raise RuntimeError(

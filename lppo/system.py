@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.checkpointing import (
+    ROLLOUTS_KEY,
     RUN_LOG_KEY,
     SETTINGS_KEY,
     CheckpointError,
@@ -30,6 +31,8 @@ from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
+from lppo.rollout.pipeline import RolloutPipeline, stale_correction
+from lppo.rollout.runners import RolloutRunner, default_runner
 from lppo.run_log import RunLog
 from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task
@@ -77,6 +80,12 @@ class PPOSystem(LightningModule):
         seed: seed of prompt sampling and generation (iteration ``i`` uses a seed derived from
             ``(seed, i)``, so a resumed run samples exactly what the uninterrupted run would).
         num_threads: ``torch.set_num_threads`` at setup (``null`` leaves torch's default).
+        runner: where rollouts are generated, any class implementing
+            :class:`~lppo.rollout.runners.RolloutRunner` (``null``: in the trainer when
+            ``model.rollout.max_staleness`` is 0, else ``lppo.rollout.ProcessRunner``, one
+            background process, or ``lppo.rollout.ThreadRunner`` for Ray rollout workers;
+            ``lppo.rollout.InlineRunner`` generates stale rollouts in the trainer, without
+            overlap: the same rows).
     """
 
     #: ``model.num_threads`` is applied at setup, so a resumed run may change it.
@@ -95,6 +104,7 @@ class PPOSystem(LightningModule):
         tokenizer_path: str | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        runner: RolloutRunner | None = None,
     ) -> None:
         super().__init__()
         # Under LightningCLI the hparams are the parsed config (class_path / init_args), from
@@ -109,6 +119,7 @@ class PPOSystem(LightningModule):
             "reward_model",
             "rollout",
             "ppo",
+            "runner",
         ]
         self.save_hyperparameters(ignore=[] if instantiated_by_cli() else objects, logger=False)
         self.automatic_optimization = False
@@ -132,10 +143,13 @@ class PPOSystem(LightningModule):
         )
         self.seed = seed
         self.num_threads = num_threads
+        self.runner = runner or default_runner(rollout.max_staleness, self.engine)
         self.reference: ActorModule | None = None
         self.tokenizer: Any = None
         self.controller: PPOController | None = None
         self.rollout_source: RolloutSource | None = None
+        self.rollouts: RolloutPipeline | None = None
+        self._rollouts_state: dict[str, Any] | None = None
         #: The run's metrics axis and history (handed to every hook; saved in checkpoints).
         self.run_log = RunLog()
         self.failures = FailurePolicy(ppo.max_failed_iterations, self.run_log)
@@ -186,6 +200,7 @@ class PPOSystem(LightningModule):
                 f"parallelism ({parallel.data.size} ranks): a failure on one rank would leave "
                 "the others waiting in a collective; set it to 0."
             )
+        template = copy.deepcopy(self.engine)  # runners set their own copies up
         self.engine.setup(self.actor.policy(), self.tokenizer, r)
         self.rollout_source = RolloutSource(
             self.task,
@@ -196,7 +211,19 @@ class PPOSystem(LightningModule):
             group=parallel.data,
             store=data.store,
             rules=self.ppo.row_rules(),
+            tokenizer=self.tokenizer,
         )
+        stop_at = getattr(trainer, "max_epochs", None)
+        self.rollouts = RolloutPipeline(
+            self.rollout_source,
+            self.runner,
+            template,
+            staleness=r.max_staleness,
+            warmup_iterations=self.ppo.critic_warmup_iterations,
+            stop_at=stop_at if stop_at is not None and stop_at >= 0 else None,
+        )
+        if self._rollouts_state is not None:
+            self.rollouts.load_state_dict(self._rollouts_state)
 
     def _configure_modules(self) -> None:
         """Build the tokenizer, actor, critic, reward model and the frozen reference."""
@@ -207,6 +234,9 @@ class PPOSystem(LightningModule):
             if module is not None:
                 module.configure_model(*ids)
         self.actor.temperature = self.rollout.temperature
+        self.actor.off_policy = stale_correction(
+            self.rollout, self.ppo.old_logprobs, self.actor.off_policy
+        )
         if self.ppo.kl_coef > 0:
             self.reference = copy.deepcopy(self.actor)
             self.reference.requires_grad_(False)
@@ -239,13 +269,17 @@ class PPOSystem(LightningModule):
         return (optimizers, schedulers) if schedulers else optimizers
 
     def teardown(self, stage: str) -> None:
-        """Stop what the engine started (Ray rollout workers); other engines hold nothing."""
+        """Stop the rollout runner and what the engine started (Ray rollout workers)."""
+        if self.rollouts is not None:
+            self.rollouts.close()
         self.engine.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the task's state, the run log (with the failure count) and the run's settings."""
         checkpoint["lppo_task"] = self.task.state_dict()
         checkpoint[RUN_LOG_KEY] = self.run_log.state_dict()
+        if self.rollouts is not None:
+            checkpoint[ROLLOUTS_KEY] = self.rollouts.state_dict()
         checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(attached_trainer(self)))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -253,6 +287,9 @@ class PPOSystem(LightningModule):
         self.task.load_state_dict(checkpoint.get("lppo_task", {}))
         upgrade_layout(checkpoint)  # before Lightning restores the callbacks from it
         self.run_log.load_state_dict(checkpoint[RUN_LOG_KEY])
+        self._rollouts_state = checkpoint.get(ROLLOUTS_KEY)
+        if self.rollouts is not None and self._rollouts_state is not None:
+            self.rollouts.load_state_dict(self._rollouts_state)
         saved = checkpoint.get(SETTINGS_KEY)
         trainer = attached_trainer(self)
         if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)
@@ -296,22 +333,22 @@ class PPOSystem(LightningModule):
 
     # -------------------------------------------------------------- iteration
     def run_iteration(self, iteration: int) -> IterationResult:
-        """One RL iteration: collect the rollout, run the controller, sync the engine."""
+        """One RL iteration: take the rollout, run the controller, publish the new policy."""
         self.configure_model()
-        assert self.controller is not None and self.rollout_source is not None
+        assert self.controller is not None and self.rollouts is not None
         clock = time.perf_counter()
         fatal: IterationError | None = None
         try:
-            # 1. rollout (each rank generates its own blocks of prompts)
-            rollout = self.rollout_source.collect(iteration)
+            # 1. rollout: admitted s iterations ago, generated meanwhile (s = 0: here, now)
+            rollout, generation = self.rollouts.take(iteration)
             # 2. score → advantages → critic epochs → actor epochs → release
             seconds = time.perf_counter() - clock
-            result = self.controller.run_iteration(rollout, iteration, rollout_seconds=seconds)
+            result = self.controller.run_iteration(rollout, iteration, seconds, generation)
         except IterationError as error:  # cleaned up already; skipped or re-raised
             result, fatal = self.failures.absorb(iteration, error)
             self.controller.end_failed(result)  # a failed iteration is an iteration
         if fatal is not None:
             raise fatal
-        # 3. the engine samples the next rollout from the weights the actor phase produced
-        self.rollout_source.sync()
+        # 3. publish the actor's weights: iteration + s + 1 is admitted with them
+        self.rollouts.publish(iteration)
         return result

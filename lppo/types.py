@@ -29,6 +29,10 @@ TASK_REWARD = "task_reward"
 RM_SCORE = "rm_score"
 # Row-level (bool, 0-dim) extra of a rollout: the sample hit max_new_tokens (read when put).
 TRUNCATED = "truncated"
+# Row-level (int64, 0-dim) provenance: the policy version the row was sampled from, and the
+# iteration it was generated for (stored with every row).
+POLICY_VERSION = "policy_version"
+FOR_ITERATION = "for_iteration"
 
 
 @dataclass
@@ -242,6 +246,8 @@ class RolloutStats:
         mismatch_max_abs_log_ratio: ``max |log π_old − log μ|``.
         mismatch_outside_fraction: sampled tokens whose importance weight lies outside the
             off-policy correction's bounds.
+        staleness: policy versions between the rows' sampling policy and π_old
+            (:class:`GenerationReport`).
         extra: what the estimator and the reward model report besides (e.g.
             ``advantage_abs_mean``, ``rm_score_mean``).
     """
@@ -256,6 +262,7 @@ class RolloutStats:
     mismatch_kl: float = math.nan
     mismatch_max_abs_log_ratio: float = math.nan
     mismatch_outside_fraction: float = math.nan
+    staleness: float = math.nan
     extra: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -278,6 +285,36 @@ class RolloutStats:
 
 
 @dataclass
+class GenerationReport:
+    """How an iteration's rollout was generated: its lag, and the timing of the overlap.
+
+    Attributes:
+        staleness: policy versions published between the version the rows were sampled from
+            and π_old (``model.rollout.max_staleness`` by construction, less during critic
+            warm-up, where the version does not advance).
+        wait_seconds: the trainer waited for the rollout (and put it into the store).
+        generation_seconds: the generator sampled and rewarded it.
+        overlap_seconds: of those, the seconds that ran while the trainer did other work.
+        generator_idle_seconds: the generator waited for this job to be admitted.
+    """
+
+    staleness: int = 0
+    wait_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    overlap_seconds: float = 0.0
+    generator_idle_seconds: float = 0.0
+
+    def timing(self) -> dict[str, float]:
+        """The seconds, by name (``wait``, ``generation``, ``overlap``, ``generator_idle``)."""
+        return {
+            "wait": self.wait_seconds,
+            "generation": self.generation_seconds,
+            "overlap": self.overlap_seconds,
+            "generator_idle": self.generator_idle_seconds,
+        }
+
+
+@dataclass
 class IterationResult:
     """What one RL iteration did; handed to ``on_iteration_end`` and returned by the controller.
 
@@ -293,6 +330,8 @@ class IterationResult:
             ``critic``, ``actor``; the planner's ``padding_fraction``, mean over epochs).
         failed: the error of a failed iteration (``""``: it ran); a failed iteration still
             reaches ``on_iteration_end``, with no statistics and no steps.
+        generation: seconds of the rollout's generation (logged as ``perf/generation/<k>``;
+            see :meth:`GenerationReport.timing`).
     """
 
     iteration: int
@@ -302,6 +341,7 @@ class IterationResult:
     tokens: dict[str, int] = field(default_factory=dict)
     padding: dict[str, float] = field(default_factory=dict)
     failed: str = ""
+    generation: dict[str, float] = field(default_factory=dict)
 
     def phase_steps(self, role: str) -> list[StepStats]:
         """Steps of ``role`` (``actor`` or ``critic``)."""

@@ -17,6 +17,7 @@ aggregates with the step's global normalizer, so exactness under any chunking is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -25,7 +26,7 @@ import torch
 
 from lppo.algorithms.losses import LOG_RATIO_CLAMP
 
-OffPolicyMode = Literal["none", "truncate", "mask"]
+OffPolicyMode = Literal["auto", "none", "truncate", "mask"]
 
 _KEY = "model.actor.init_args.off_policy"
 
@@ -35,21 +36,24 @@ class OffPolicyCorrection:
     """Off-policy correction of the actor loss, and the bounds the mismatch metrics report.
 
     Attributes:
-        mode: ``none`` (default: plain PPO), ``truncate`` (weight ``min(w, cap)``) or
-            ``mask`` (weight ``w`` inside ``[floor, cap]``, 0 outside).
+        mode: ``auto`` (default: ``truncate`` when ``model.rollout.max_staleness > 0``, else
+            ``none``), ``none`` (plain PPO), ``truncate`` (weight ``min(w, cap)``) or ``mask``
+            (weight ``w`` inside ``[floor, cap]``, 0 outside).
         cap: upper bound ``C >= 1`` of the importance weight.
         floor: lower bound ``F`` in ``(0, 1]`` (``mask`` mode and the outside-bounds metric);
             ``null``: ``1 / cap``.
     """
 
-    mode: OffPolicyMode = "none"
+    mode: OffPolicyMode = "auto"
     cap: float = 2.0
     floor: float | None = None
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
-        if self.mode not in ("none", "truncate", "mask"):
-            raise ValueError(f"{_KEY}.mode={self.mode!r}; use 'none', 'truncate' or 'mask'.")
+        if self.mode not in ("auto", "none", "truncate", "mask"):
+            raise ValueError(
+                f"{_KEY}.mode={self.mode!r}; use 'auto', 'none', 'truncate' or 'mask'."
+            )
         if not (isinstance(self.cap, int | float) and math.isfinite(self.cap) and self.cap >= 1):
             raise ValueError(
                 f"{_KEY}.cap={self.cap!r} must be a finite number >= 1 (a weight of 1, the "
@@ -64,8 +68,14 @@ class OffPolicyCorrection:
 
     @property
     def enabled(self) -> bool:
-        """Whether the actor loss is reweighted."""
-        return self.mode != "none"
+        """Whether the actor loss is reweighted (``auto`` unresolved: no)."""
+        return self.mode in ("truncate", "mask")
+
+    def resolved(self, stale: bool) -> OffPolicyCorrection:
+        """``auto`` made concrete: ``truncate`` for stale rows, ``none`` for on-policy ones."""
+        if self.mode != "auto":
+            return self
+        return dataclasses.replace(self, mode="truncate" if stale else "none")
 
     @property
     def lower(self) -> float:

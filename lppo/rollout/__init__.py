@@ -15,6 +15,13 @@ from lppo.rollout.base import (
 from lppo.rollout.evaluation import EvalSamples
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
+from lppo.rollout.runners import (
+    InlineRunner,
+    ProcessRunner,
+    RolloutProcessError,
+    RolloutRunner,
+    ThreadRunner,
+)
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
 from lppo.rollout.vllm import VLLMEngine
 
@@ -23,16 +30,21 @@ __all__ = [
     "EvalSamples",
     "GenerationOutput",
     "HFGenerateEngine",
+    "InlineRunner",
+    "ProcessRunner",
     "PromptBlock",
     "RayWorkersEngine",
     "RewardError",
     "RolloutEngine",
+    "RolloutProcessError",
+    "RolloutRunner",
     "RolloutSettings",
     "RolloutSource",
     "RolloutWorkerError",
     "RowJob",
     "StaleWeightsError",
     "StoreWritingEngine",
+    "ThreadRunner",
     "VLLMEngine",
     "derive_seed",
     "score",

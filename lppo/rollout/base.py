@@ -17,7 +17,7 @@ import torch
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout
 from lppo.tasks.base import Prompt, Task
-from lppo.types import TRUNCATED, Rollout
+from lppo.types import FOR_ITERATION, POLICY_VERSION, TRUNCATED, Rollout
 from lppo.validation import check_number
 
 
@@ -82,6 +82,16 @@ class RolloutSettings:
         ignore_eos: keep sampling after an end-of-sequence token: every response has exactly
             ``max_new_tokens`` tokens (EOS tokens stay in it as ordinary tokens) and none is
             truncated; the distribution is unchanged (benchmarks, fixed-length workloads).
+        max_staleness: the fixed lag ``s`` of asynchronous rollouts. Iteration ``t`` trains on
+            samples drawn from exactly the policy published after iteration ``t - s - 1``'s
+            actor phase (the initial policy for the first ones), generated while iterations
+            ``t - s .. t - 1`` train. ``0``: the synchronous run. With ``s > 0`` the actor's
+            off-policy correction (``model.actor.init_args.off_policy``, ``auto``: truncated
+            importance sampling) reweights the stale rows.
+        allow_uncorrected_staleness: with ``max_staleness > 0`` and the off-policy correction
+            off (``off_policy.mode: none``), train on stale rows as if they were on-policy.
+            That biases the gradient (the PPO ratio is then taken against a policy that did
+            not sample the rows); an explicit opt-in.
     """
 
     prompts_per_iteration: int = 32
@@ -93,6 +103,8 @@ class RolloutSettings:
     prompts_per_block: int | None = None
     min_new_tokens: int = 0
     ignore_eos: bool = False
+    max_staleness: int = 0
+    allow_uncorrected_staleness: bool = False
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
@@ -129,6 +141,13 @@ class RolloutSettings:
             low=0,
             high=self.max_new_tokens,
             fix="It must lie in [0, model.rollout.max_new_tokens].",
+        )
+        check_number(
+            "model.rollout.max_staleness",
+            self.max_staleness,
+            integer=True,
+            low=0,
+            fix="0 is the synchronous run; 1 overlaps generation with one training iteration.",
         )
 
     @property
@@ -214,12 +233,14 @@ class RowJob:
         task: rewards the samples (``score``: one ``Task.rewards`` call per unit of work, so a
             reward must not depend on which other samples share its call).
         rules: which rows become invalid when put (``model.ppo``).
+        provenance: ``(iteration, policy version)`` stored with every row (:func:`to_rollout`).
     """
 
     blocks: list[PromptBlock]
     samples_per_prompt: int
     task: Task
     rules: RowRules
+    provenance: tuple[int, int] = (0, 0)
 
 
 @runtime_checkable
@@ -321,10 +342,25 @@ def _locate_failure(task: Task, prompts: Sequence[Prompt], completions: list[str
     )
 
 
+def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
+    """The samples of several ``generate`` calls, in order, as one output."""
+    return GenerationOutput(
+        input_ids=[x for o in outputs for x in o.input_ids],
+        response_mask=[x for o in outputs for x in o.response_mask],
+        gen_logprobs=[x for o in outputs for x in o.gen_logprobs],
+        completions=[x for o in outputs for x in o.completions],
+        truncated=torch.cat([o.truncated for o in outputs]),
+        prompt_index=torch.cat([o.prompt_index for o in outputs]),
+        prompt_lengths=torch.cat([o.prompt_lengths for o in outputs]),
+        dropped=sum(o.dropped for o in outputs),
+    )
+
+
 def to_rollout(
     output: GenerationOutput,
     rewards: torch.Tensor | Sequence[float],
     include_truncated: bool = True,
+    provenance: tuple[int, int] | None = None,
 ) -> Rollout:
     """Pack generated samples and their rewards into a :class:`lppo.types.Rollout`.
 
@@ -332,6 +368,8 @@ def to_rollout(
         output: the generated samples.
         rewards: one sequence-level score per sample.
         include_truncated: add a row-level ``"truncated"`` extra (0-dim bool tensor per row).
+        provenance: ``(iteration, policy version)``: add the row-level ``for_iteration`` and
+            ``policy_version`` extras (0-dim int64 per row).
 
     Returns:
         The rollout (tensors are shared with ``output``, not copied).
@@ -345,6 +383,9 @@ def to_rollout(
     extras: dict[str, list[torch.Tensor]] = {}
     if include_truncated:
         extras[TRUNCATED] = list(output.truncated.to(torch.bool).unbind(0))
+    if provenance is not None:
+        for name, value in zip((FOR_ITERATION, POLICY_VERSION), provenance, strict=True):
+            extras[name] = [torch.tensor(value, dtype=torch.int64) for _ in range(len(output))]
     return Rollout(
         input_ids=list(output.input_ids),
         response_mask=list(output.response_mask),

@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,11 +48,12 @@ from lppo.rollout.base import (
     RolloutEngine,
     RolloutSettings,
     RowJob,
+    concat_outputs,
     score,
     to_rollout,
 )
 from lppo.rollout.hf import HFGenerateEngine
-from lppo.rollout.source import concat_outputs, derive_seed
+from lppo.rollout.source import derive_seed
 from lppo.tasks.base import Prompt, Task
 from lppo.validation import check_number
 
@@ -139,11 +140,13 @@ class RolloutWorker:
         task: Task,
         rules: RowRules,
         version: int,
+        provenance: tuple[int, int],
     ) -> StoredRollout:
         """Sample, reward and put the samples as rows ``ids`` of ``store``, from this process.
 
         ``start`` is the ``prompt_index`` of ``prompts[0]``; ``version`` the weights version
-        the trainer expects (checked before anything is sampled or put).
+        the trainer expects (checked before anything is sampled or put); ``provenance`` the
+        rows' ``(iteration, policy version)``.
         """
         if self.engine.weights_version != version:
             raise RolloutWorkerError(
@@ -153,7 +156,8 @@ class RolloutWorker:
         rewards = score(task, prompts, output)
         output.prompt_index = output.prompt_index + start
         try:
-            return put_rollout(store, ids, to_rollout(output, rewards), rules)
+            rollout = to_rollout(output, rewards, provenance=provenance)
+            return put_rollout(store, ids, rollout, rules)
         finally:
             store.close()  # a pickled copy: detaches this process, the rows stay
 
@@ -165,6 +169,9 @@ class RolloutWorker:
 class RayWorkersEngine(RecordsInitArgs):
     """A :class:`~lppo.rollout.RolloutEngine` whose samples come from N Ray actor workers.
 
+    Asynchronous rollouts drive a second copy of it from a thread (``generates_elsewhere``):
+    the thread only waits for the workers.
+
     Args:
         num_workers: rollout worker actors (one logical Ray CPU each).
         engine: the engine each worker runs (``null``: ``HFGenerateEngine()``). The Ray
@@ -172,6 +179,8 @@ class RayWorkersEngine(RecordsInitArgs):
         timeout_s: longest wait for any worker call (start, weight load, one part).
         max_restarts: worker replacements per ``generate`` call before a part is dropped.
     """
+
+    generates_elsewhere: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -293,9 +302,8 @@ class RayWorkersEngine(RecordsInitArgs):
 
         def submit(part: _Part) -> Any:
             worker = self.workers[part.index % self.num_workers]
-            return worker.generate_into.remote(
-                store, part.ids, part.prompts, k, part.seed, part.start, task, job.rules, version
-            )
+            args = (part.ids, part.prompts, k, part.seed, part.start, task, job.rules)
+            return worker.generate_into.remote(store, *args, version, job.provenance)
 
         try:
             done, dropped = self._run(

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
-
-import torch
+from typing import Any
 
 from lppo.errors import IterationError
 from lppo.modules import ActorModule
@@ -30,7 +28,6 @@ from lppo.parallel import SINGLE, ProcessGroup
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
 from lppo.rollout.base import (
-    GenerationOutput,
     PromptBlock,
     RewardError,
     RolloutEngine,
@@ -38,9 +35,9 @@ from lppo.rollout.base import (
     RowJob,
     StoreWritingEngine,
     score,
-    to_rollout,
 )
 from lppo.rollout.evaluation import EvalSamples, undisturbed
+from lppo.rollout.jobs import RolloutJob, generate_blocks
 from lppo.tasks import Task
 from lppo.tasks.base import Prompt
 from lppo.types import Rollout, iteration_label
@@ -87,20 +84,6 @@ def rank_share(blocks: int, world_size: int, rank: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
-    """The samples of several ``generate`` calls, in order, as one output."""
-    return GenerationOutput(
-        input_ids=[x for o in outputs for x in o.input_ids],
-        response_mask=[x for o in outputs for x in o.response_mask],
-        gen_logprobs=[x for o in outputs for x in o.gen_logprobs],
-        completions=[x for o in outputs for x in o.completions],
-        truncated=torch.cat([o.truncated for o in outputs]),
-        prompt_index=torch.cat([o.prompt_index for o in outputs]),
-        prompt_lengths=torch.cat([o.prompt_lengths for o in outputs]),
-        dropped=sum(o.dropped for o in outputs),
-    )
-
-
 def put_samples(
     store: ReplayStore, rollout: Rollout, rules: RowRules, iteration: int
 ) -> StoredRollout:
@@ -133,6 +116,7 @@ class RolloutSource:
             :class:`~lppo.rollout.StoreWritingEngine`, the engine puts the rows itself.
         rules: which rows become invalid when put (``model.ppo``; ``None``: only rows with a
             non-finite reward).
+        tokenizer: the policy's tokenizer (engines that run elsewhere are set up with it).
     """
 
     def __init__(
@@ -145,8 +129,10 @@ class RolloutSource:
         group: ProcessGroup = SINGLE,
         store: ReplayStore | None = None,
         rules: RowRules | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.task = task
+        self.tokenizer = tokenizer
         self.engine = engine
         self.actor = actor
         self.settings = settings
@@ -179,8 +165,34 @@ class RolloutSource:
                 "stale weights. An engine must set weights_version to the version it loaded."
             )
 
-    def collect(self, iteration: int) -> Rollout | StoredRollout:
-        """This rank's rewarded samples of ``iteration`` (its blocks; ``prompt_index`` global).
+    def admit(self, iteration: int) -> list[PromptBlock]:
+        """This rank's blocks of ``iteration``'s prompts, each with its seed.
+
+        Draws the prompts, so iterations must be admitted in order (a task may keep a position).
+        """
+        s = self.settings
+        prompts = self.task.sample_prompts(
+            s.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
+        )
+        blocks = prompt_blocks(s, self.group.size)
+        return [
+            PromptBlock(
+                blocks[b].start,
+                [prompts[i] for i in blocks[b]],
+                block_seed(self.seed, iteration, b),
+            )
+            for b in rank_share(len(blocks), self.group.size, self.group.rank)
+        ]
+
+    def collect(self, iteration: int, version: int = 0) -> Rollout | StoredRollout:
+        """This rank's rewarded samples of ``iteration`` from the actor's current weights.
+
+        Admits the iteration (:meth:`admit`) and runs it here (:meth:`run`).
+        """
+        return self.run(RolloutJob(iteration, version, self.admit(iteration)))
+
+    def run(self, job: RolloutJob) -> Rollout | StoredRollout:
+        """Generate ``job`` here, with the engine on the actor's current weights.
 
         Returns:
             The rows in the store (put here, or by an engine that writes rows itself), or the
@@ -191,42 +203,23 @@ class RolloutSource:
                 store).
         """
         self.sync()  # never sample from weights older than the actor's
-        s = self.settings
-        prompts = self.task.sample_prompts(
-            s.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
-        )
-        blocks = prompt_blocks(s, self.group.size)
-        share = [
-            PromptBlock(
-                blocks[b].start,
-                [prompts[i] for i in blocks[b]],
-                block_seed(self.seed, iteration, b),
-            )
-            for b in rank_share(len(blocks), self.group.size, self.group.rank)
-        ]
+        spp = self.settings.samples_per_prompt
         try:
             if self.writer is not None:
                 assert self.store is not None
-                job = RowJob(share, s.samples_per_prompt, self.task, self.rules)
-                return self.writer.generate_into(self.store, job)
-            rollout = self._rewarded(prompts, share)
+                row_job = RowJob(job.blocks, spp, self.task, self.rules, job.provenance)
+                return self.writer.generate_into(self.store, row_job)
+            rollout = generate_blocks(self.engine, self.task, job.blocks, spp, job.provenance)
         except RewardError as error:
-            raise IterationError(f"{iteration_label(iteration)}, phase rollout: {error}") from error
+            label = iteration_label(job.iteration)
+            raise IterationError(f"{label}, phase rollout: {error}") from error
+        return self.put(rollout, job.iteration)
+
+    def put(self, rollout: Rollout, iteration: int) -> Rollout | StoredRollout:
+        """Put ``iteration``'s samples into the store (returned as they are without one)."""
         if self.store is None:
             return rollout
         return put_samples(self.store, rollout, self.rules, iteration)
-
-    def _rewarded(self, prompts: list[Prompt], share: list[PromptBlock]) -> Rollout:
-        """Generate every block of ``share`` here and reward the samples in one call."""
-        outputs = []
-        for block in share:
-            output = self.engine.generate(
-                block.prompts, self.settings.samples_per_prompt, seed=block.seed
-            )
-            output.prompt_index = output.prompt_index + block.start
-            outputs.append(output)
-        output = concat_outputs(outputs)
-        return to_rollout(output, score(self.task, prompts, output))
 
     def evaluate(
         self,

@@ -1,0 +1,359 @@
+"""Where admitted rollout jobs are generated: in the trainer, or in a background process.
+
+A :class:`RolloutRunner` is chosen by ``model.runner.class_path`` (``null``: the trainer
+itself when ``model.rollout.max_staleness`` is 0, the background process otherwise). The
+fixed-lag scheduler (:class:`~lppo.rollout.pipeline.RolloutPipeline`) submits jobs in
+iteration order and asks for their results in the same order; a runner never decides which
+weights a job uses (the job carries them), so where it runs changes timing, never rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import queue
+import threading
+import time
+import traceback
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from lppo.init_args import RecordsInitArgs
+from lppo.rollout.base import RolloutEngine
+from lppo.rollout.jobs import GeneratedRollout, GenerationWorker, RolloutJob
+from lppo.rollout.source import RolloutSource
+from lppo.validation import check_number
+
+_KEY = "model.runner.init_args"
+
+
+class RolloutProcessError(RuntimeError):
+    """The background rollout process died, failed to start, or a wait for it ran out."""
+
+
+@runtime_checkable
+class RolloutRunner(Protocol):
+    """Generates admitted :class:`~lppo.rollout.jobs.RolloutJob` s (``model.runner``).
+
+    Attributes:
+        live_weights: jobs without weights run on the actor's live weights (only a runner in
+            the trainer's own process can; the scheduler then snapshots weights only for
+            stale jobs).
+    """
+
+    live_weights: ClassVar[bool]
+
+    def start(self, source: RolloutSource, engine: RolloutEngine) -> None:
+        """Get ready to run jobs of ``source`` with copies of ``engine`` (not yet set up)."""
+        ...
+
+    def submit(self, job: RolloutJob) -> None:
+        """Queue ``job`` (jobs are submitted in iteration order)."""
+        ...
+
+    def result(self, job: RolloutJob) -> GeneratedRollout:
+        """``job``'s samples, waiting for them (a bounded wait; the oldest job first).
+
+        Raises:
+            RolloutProcessError: the generator died or the wait ran out (named in the message).
+        """
+        ...
+
+    def close(self) -> None:
+        """Stop whatever the runner started; idempotent."""
+        ...
+
+
+class InlineRunner(RecordsInitArgs):
+    """Generates each job in the trainer when its iteration asks for it (no overlap).
+
+    With ``max_staleness: 0`` this is the synchronous run. With ``s > 0`` it is the oracle of
+    the asynchronous run: the same rows, generated without concurrency (from the job's
+    weights, on a second copy of the policy).
+    """
+
+    live_weights: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.source: RolloutSource | None = None
+        self.engine: RolloutEngine | None = None
+        self.worker: GenerationWorker | None = None
+
+    def start(self, source: RolloutSource, engine: RolloutEngine) -> None:
+        """Keep the source (live weights) and the engine template (stale jobs)."""
+        self.source, self.engine = source, engine
+
+    def submit(self, job: RolloutJob) -> None:
+        """Nothing to do before the job's iteration asks for it."""
+
+    def result(self, job: RolloutJob) -> GeneratedRollout:
+        """Generate ``job`` now: with the source on the live weights, or on the job's own."""
+        assert self.source is not None and self.engine is not None
+        if job.weights is None:
+            started = time.monotonic()
+            rows = self.source.run(job)
+            return GeneratedRollout(job.iteration, rows, "", started, time.monotonic())
+        if self.worker is None:
+            s = self.source
+            self.worker = GenerationWorker.copying(
+                self.engine, s.actor.policy(), s.tokenizer, settings=s.settings, task=s.task
+            )
+        return self.worker.run(job)
+
+    def close(self) -> None:
+        """Drop the second copy of the policy."""
+        self.worker = None
+
+
+class ProcessRunner(RecordsInitArgs):
+    """Generates jobs in one background process that lppo starts and stops itself.
+
+    The process holds its own copy of the policy and of the engine; each job's weights reach
+    it through shared memory (torch's multiprocessing), its samples come back pickled. It
+    generates the admitted jobs in order, concurrently with training.
+
+    Args:
+        num_threads: torch threads of the process (``null``: the trainer's count, so its
+            samples equal the trainer's own bit for bit).
+        timeout_s: longest wait for one rollout.
+        start_timeout_s: longest wait for the process to start (import torch, unpickle the
+            policy, set the engine up).
+        max_restarts: times a dead process is replaced over the run (its unfinished jobs are
+            generated again, from the same weights and seeds) before the run fails.
+    """
+
+    live_weights: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        num_threads: int | None = None,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        max_restarts: int = 1,
+    ) -> None:
+        check_number(f"{_KEY}.num_threads", num_threads, integer=True, low=1, optional=True)
+        check_number(f"{_KEY}.timeout_s", timeout_s, low=0, low_open=True)
+        check_number(f"{_KEY}.start_timeout_s", start_timeout_s, low=0, low_open=True)
+        check_number(f"{_KEY}.max_restarts", max_restarts, integer=True, low=0)
+        self.num_threads = num_threads
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.process: Any = None
+        self._payload: bytes = b""
+        self._inbox: Any = None
+        self._outbox: Any = None
+        self._inflight: list[RolloutJob] = []
+
+    def start(self, source: RolloutSource, engine: RolloutEngine) -> None:
+        """Start the process with copies of the engine, the policy, the task and the settings."""
+        policy = copy.deepcopy(source.actor.policy()).cpu()
+        threads = self.num_threads or torch.get_num_threads()
+        spec = (engine, policy, source.tokenizer, source.settings, source.task, threads)
+        self._payload = pickle.dumps(spec)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        # spawn, not fork: forking a trainer that runs threads (Ray, gloo, torch's pool) is
+        # not safe.
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(
+            target=_serve,
+            args=(self._payload, self._inbox, self._outbox),
+            name="lppo-rollout",
+            daemon=True,
+        )
+        self.process.start()
+        what = "the background rollout process to start"
+        kind, message = self._receive(what, self.start_timeout_s, "start_timeout_s")
+        if kind != "ready":
+            self.close()
+            raise RolloutProcessError(f"the background rollout process failed to start:\n{message}")
+        for job in self._inflight:  # a replacement generates the unfinished jobs again
+            self._inbox.put(job)
+
+    def submit(self, job: RolloutJob) -> None:
+        """Send ``job`` to the process (its weights travel through shared memory)."""
+        self._inflight.append(job)
+        self._inbox.put(job)
+
+    def result(self, job: RolloutJob) -> GeneratedRollout:
+        """Wait (at most ``timeout_s``) for ``job``'s samples; replace a dead process."""
+        if not self._inflight or self._inflight[0].iteration != job.iteration:
+            raise RolloutProcessError(
+                f"asked for iteration {job.iteration + 1}'s rollout, but the oldest job in the "
+                f"background rollout process is {[j.iteration + 1 for j in self._inflight]}."
+            )
+        what = f"the rollout of iteration {job.iteration + 1} from the background rollout process"
+        while True:
+            try:
+                kind, message = self._receive(what, self.timeout_s, "timeout_s")
+                break
+            except RolloutProcessError:
+                if self.process is not None and self.process.is_alive():
+                    raise  # a timeout: the process lives but is too slow
+                if self.restarts >= self.max_restarts:
+                    raise
+                self.restarts += 1
+                self._spawn()
+        self._inflight.pop(0)
+        if kind == "error":
+            return GeneratedRollout(job.iteration, None, message)
+        generated: GeneratedRollout = pickle.loads(message)
+        return generated
+
+    def _receive(self, what: str, bound: float, key: str) -> tuple[str, Any]:
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                return self._outbox.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                pass
+            if not self.process.is_alive():
+                code = self.process.exitcode
+                raise RolloutProcessError(
+                    f"the background rollout process (pid {self.process.pid}) exited with code "
+                    f"{code} while lppo waited for {what}."
+                )
+            if time.monotonic() > deadline:
+                raise RolloutProcessError(
+                    f"waited {bound:g} s for {what} (pid {self.process.pid}); it is alive but "
+                    f"too slow: raise {_KEY}.{key}, or lower the rollout size."
+                )
+
+    def close(self) -> None:
+        """Ask the process to stop, then kill it if it does not; idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.is_alive():
+            self._inbox.put(None)
+            process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
+        for q in (self._inbox, self._outbox):
+            q.cancel_join_thread()
+            q.close()
+
+
+class ThreadRunner(RecordsInitArgs):
+    """Generates jobs in a thread of the trainer, with a second copy of the engine.
+
+    For engines whose work runs in processes of their own (``RayWorkersEngine``): the thread
+    mostly waits for them, so it costs the trainer little. Its engine copy (its own workers)
+    is set up on a second copy of the policy, into which each job's weights are loaded.
+
+    Args:
+        timeout_s: longest wait for one rollout.
+    """
+
+    live_weights: ClassVar[bool] = False
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        check_number(f"{_KEY}.timeout_s", timeout_s, low=0, low_open=True)
+        self.timeout_s = timeout_s
+        self.worker: GenerationWorker | None = None
+        self.thread: threading.Thread | None = None
+        self._jobs: queue.Queue[RolloutJob | None] = queue.Queue()
+        self._results: queue.Queue[GeneratedRollout] = queue.Queue()
+
+    def start(self, source: RolloutSource, engine: RolloutEngine) -> None:
+        """Set the engine copy up (its workers start now) and start the thread."""
+        self.worker = GenerationWorker.copying(
+            engine,
+            source.actor.policy(),
+            source.tokenizer,
+            settings=source.settings,
+            task=source.task,
+        )
+        self.thread = threading.Thread(target=self._serve, name="lppo-rollout", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        assert self.worker is not None
+        while True:
+            clock = time.monotonic()
+            job = self._jobs.get()
+            if job is None:
+                return
+            idle = time.monotonic() - clock
+            try:
+                generated = self.worker.run(job)
+                generated.idle_seconds = idle
+            except Exception as error:
+                cause = f"{type(error).__name__}: {error}"
+                generated = GeneratedRollout(job.iteration, None, cause)
+            self._results.put(generated)
+
+    def submit(self, job: RolloutJob) -> None:
+        """Queue ``job`` for the thread."""
+        self._jobs.put(job)
+
+    def result(self, job: RolloutJob) -> GeneratedRollout:
+        """Wait (at most ``timeout_s``) for ``job``'s samples."""
+        try:
+            generated = self._results.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise RolloutProcessError(
+                f"waited {self.timeout_s:g} s for the rollout of iteration {job.iteration + 1} "
+                f"from the rollout thread; raise {_KEY}.timeout_s, or lower the rollout size."
+            ) from None
+        if generated.iteration != job.iteration:
+            raise RolloutProcessError(
+                f"the rollout thread returned iteration {generated.iteration + 1}, not "
+                f"{job.iteration + 1}."
+            )
+        return generated
+
+    def close(self) -> None:
+        """Stop the thread and what the engine copy started; idempotent."""
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout=self.timeout_s)
+        if self.worker is not None:
+            self.worker.engine.close()
+            self.worker = None
+
+
+def _serve(payload: bytes, inbox: Any, outbox: Any) -> None:
+    """The background rollout process: set up once, then generate the jobs in order."""
+    try:
+        engine, policy, tokenizer, settings, task, threads = pickle.loads(payload)
+        torch.set_num_threads(threads)
+        worker = GenerationWorker(engine, policy, tokenizer, settings, task)
+    except BaseException:
+        outbox.put(("error", traceback.format_exc()))
+        return
+    outbox.put(("ready", os.getpid()))
+    while True:
+        clock = time.monotonic()
+        job = inbox.get()
+        if job is None:
+            return
+        idle = time.monotonic() - clock
+        try:
+            generated = worker.run(job)
+            generated.idle_seconds = idle
+            outbox.put(("done", pickle.dumps(generated)))
+        except Exception as error:
+            outbox.put(("error", f"{type(error).__name__}: {error}"))
+        del job
+
+
+def default_runner(staleness: int, engine: RolloutEngine) -> RolloutRunner:
+    """The runner of ``model.runner: null``.
+
+    The trainer at ``s = 0``; else a thread when the engine generates in processes of its own
+    (``generates_elsewhere``, e.g. Ray rollout workers), a background process otherwise.
+    """
+    if staleness == 0:
+        return InlineRunner()
+    if getattr(engine, "generates_elsewhere", False):
+        return ThreadRunner()
+    return ProcessRunner()

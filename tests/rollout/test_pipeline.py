@@ -1,0 +1,162 @@
+"""Asynchronous rollouts with a fixed lag: bitwise equal to their synchronous oracle."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from _async_helpers import (
+    Jitter,
+    Provenance,
+    SlowCopyTask,
+    assert_same,
+    fit,
+    params,
+    pid_alive,
+)
+
+from lppo.errors import IterationError
+from lppo.hooks import PPOCallback
+from lppo.rollout import InlineRunner, ProcessRunner
+from lppo.rollout.pipeline import RolloutPipeline
+
+pytestmark = pytest.mark.slow
+
+
+class Trace(PPOCallback):
+    """Records ``(event, iteration)``: rollout taken, iteration ended; and the pipeline's
+    admissions and generations, through a recording runner."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def on_rollout_end(self, ctx):
+        self.events.append(("trained-on", ctx.iteration))
+
+
+class TracedInline(InlineRunner):
+    def __init__(self, events: list) -> None:
+        super().__init__()
+        self.events = events
+
+    def submit(self, job):
+        self.events.append(("admitted", job.iteration))
+
+    def result(self, job):
+        self.events.append(("generate", job.iteration))
+        return super().result(job)
+
+
+def test_lag_zero_generates_after_publication_and_equals_the_process_runner(tmp_path, monkeypatch):
+    events: list = []
+    published = RolloutPipeline.publish
+
+    def publish(self, iteration):
+        events.append(("published", iteration))
+        published(self, iteration)
+
+    monkeypatch.setattr(RolloutPipeline, "publish", publish)
+    _, inline = fit(tmp_path / "inline", 3, staleness=0, runner=TracedInline(events))
+    # iteration t + 1 is admitted and generated only after t's weights are published
+    for t in range(2):
+        assert events.index(("published", t)) < events.index(("admitted", t + 1))
+        assert events.index(("published", t)) < events.index(("generate", t + 1))
+    # iteration 4 (index 3) is admitted for a resume, never submitted nor generated
+    assert list(inline.rollouts.pending) == [3]
+    assert ("admitted", 3) not in events and ("generate", 3) not in events
+    _, process = fit(tmp_path / "process", 3, staleness=0, runner=ProcessRunner())
+    assert_same(params(inline), params(process))
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_stale_rollouts_equal_the_synchronous_oracle(tmp_path, staleness):
+    oracle_rows, rows = Provenance(), Provenance()
+    _, oracle = fit(
+        tmp_path / "oracle", 5, staleness, runner=InlineRunner(), callbacks=(oracle_rows,)
+    )
+    _, run = fit(tmp_path / "async", 5, staleness, runner=ProcessRunner(), callbacks=(rows,))
+    assert_same(params(oracle), params(run))
+    # every row of iteration t was sampled from the version published after t - s - 1
+    assert rows.rows == oracle_rows.rows
+    for t, pairs in rows.rows.items():
+        assert pairs == {(t, max(0, t - staleness))}
+    # the lag is exactly s once the first s iterations have passed
+    assert [r["staleness"] for r in run.run_log.history] == [min(t, staleness) for t in range(5)]
+
+
+def test_lag_counts_published_versions_through_critic_warmup(tmp_path):
+    rows = Provenance()
+    fit(tmp_path / "w", 5, 1, runner=ProcessRunner(), callbacks=(rows,), warmup=2)
+    # iterations 0 and 1 train only the critic: no new version until iteration 2's actor phase
+    assert {t: pairs for t, pairs in rows.rows.items()} == {
+        0: {(0, 0)},
+        1: {(1, 0)},
+        2: {(2, 0)},
+        3: {(3, 0)},
+        4: {(4, 1)},
+    }
+
+
+def test_two_runs_with_random_delays_are_bitwise_equal(tmp_path):
+    runs = [
+        fit(
+            tmp_path / f"run{i}",
+            4,
+            2,
+            runner=ProcessRunner(),
+            task=SlowCopyTask(max_delay_s=0.08),
+            callbacks=(Jitter(0.02),),
+        )[1]
+        for i in range(2)
+    ]
+    assert_same(params(runs[0]), params(runs[1]))
+
+
+class KillGenerator(PPOCallback):
+    """Kills the background rollout process once, at the end of iteration ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.pids = at, []
+
+    def on_iteration_end(self, ctx, result):
+        if ctx.iteration == self.at and not self.pids:
+            runner = ctx.trainer.lightning_module.runner
+            self.pids.append(runner.process.pid)
+            os.kill(runner.process.pid, signal.SIGKILL)
+
+
+def test_a_dead_generator_is_replaced_and_the_run_is_unchanged(tmp_path):
+    _, straight = fit(tmp_path / "straight", 4, 1, runner=ProcessRunner())
+    kill = KillGenerator(at=1)
+    runner = ProcessRunner(max_restarts=1)
+    _, replaced = fit(tmp_path / "killed", 4, 1, runner=runner, callbacks=(kill,))
+    assert runner.restarts == 1 and not pid_alive(kill.pids[0])
+    assert_same(params(straight), params(replaced))
+
+
+def test_a_dead_generator_without_restarts_fails_naming_the_iteration(tmp_path):
+    dead = r"iteration [34], phase rollout: .*exited with code -9"
+    with pytest.raises(IterationError, match=dead):
+        fit(
+            tmp_path / "k",
+            4,
+            1,
+            runner=ProcessRunner(max_restarts=0),
+            callbacks=(KillGenerator(1),),
+        )
+
+
+def test_a_wait_past_its_bound_fails_with_the_named_error(tmp_path):
+    runner = ProcessRunner(timeout_s=0.3)
+    with pytest.raises(IterationError, match=r"iteration 1, phase rollout: waited 0.3 s for"):
+        fit(tmp_path / "t", 3, 1, runner=runner, task=SlowCopyTask(max_delay_s=3.0))
+    assert runner.process is None  # the run's teardown stopped it
+
+
+def test_a_reward_failure_in_the_generator_names_the_iteration_and_cause(tmp_path):
+    task = SlowCopyTask(max_delay_s=0.0, fail_on="*")
+    with pytest.raises(
+        IterationError, match=r"iteration 1, phase rollout: the generator failed: .*server down"
+    ):
+        fit(tmp_path / "r", 3, 1, runner=ProcessRunner(), task=task)
