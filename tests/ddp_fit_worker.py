@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--tq-temp-dir", default=None)
     parser.add_argument("--old-values", default="score")
+    parser.add_argument("--max-staleness", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             samples_per_prompt=3,
             max_new_tokens=4,
             prompts_per_block=1,
+            max_staleness=args.max_staleness,
         ),
         ppo=PPOConfig(
             critic_epochs=2,
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     strategy: Any = PPODDPStrategy() if args.devices * args.num_nodes > 1 else "auto"
     trainer = PPOTrainer(
-        max_epochs=ITERATIONS,
+        max_epochs=ITERATIONS + args.max_staleness,
         default_root_dir=str(args.out / "run"),
         accelerator="cpu",
         devices=args.devices,

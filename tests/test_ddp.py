@@ -202,15 +202,18 @@ def test_fixed_rows_per_rank_splits_each_ranks_own_rows():
 # ------------------------------------------------------------- launched multi-process fits
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_two_processes_train_like_one(dtype, tmp_path):
+@pytest.mark.parametrize(("dtype", "staleness"), [("float32", 0), ("float64", 0), ("float64", 1)])
+def test_two_processes_train_like_one(dtype, staleness, tmp_path):
+    """With ``staleness`` 1 every rank generates its blocks in its own background process."""
     single, dp = tmp_path / "single", tmp_path / "dp"
     single.mkdir()
     dp.mkdir()
+    lag = f"--max-staleness={staleness}"
     jobs = [
-        [str(WORKER), "--devices=2", f"--out={dp}", f"--dtype={dtype}"],
-        [str(WORKER), "--devices=1", f"--out={single}", f"--dtype={dtype}"],
+        [str(WORKER), "--devices=2", f"--out={dp}", f"--dtype={dtype}", lag],
+        [str(WORKER), "--devices=1", f"--out={single}", f"--dtype={dtype}", lag],
     ]
+    iterations = 2 + staleness
     procs = [start(args, tmp_path) for args in jobs]  # concurrently: 3 single-thread processes
     finish_all(procs, jobs)
 
@@ -221,13 +224,13 @@ def test_two_processes_train_like_one(dtype, tmp_path):
         assert (record["rank"], record["world_size"]) == (r, 2)
         assert record["strategy"] == "PPODDPStrategy"
         assert record["backend"] == "gloo"
-        assert record["global_step"] == one["global_step"] == 4  # 2 iterations x 2 actor steps
+        assert record["global_step"] == one["global_step"] == 2 * iterations  # 2 actor steps
         assert record["rows_left"] == 0  # every rank released its rows
     assert one["rows_left"] == 0
 
     # Generation is split by prompt blocks: rank 0 put prompts 0-2, rank 1 prompts 3-4 (each
     # prompt's samples on one rank), together the single process's rows.
-    for it in range(2):
+    for it in range(iterations):
         got = [rec["rollouts"][it]["prompts"] for rec in ranks]
         assert got == [
             [p for p in range(3) for _ in range(3)],

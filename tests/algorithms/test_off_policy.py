@@ -157,3 +157,13 @@ def test_mismatch_reduced_over_ranks_equals_one_process(tmp_path):
         got = torch.load(f"{out}.{rank}", weights_only=True)
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-12), (rank, key)
+
+
+def test_auto_is_off_until_resolved_and_truncates_stale_rows():
+    auto = OffPolicyCorrection()
+    assert auto.mode == "auto" and not auto.enabled
+    assert auto.resolved(stale=False).mode == "none"
+    stale = auto.resolved(stale=True)
+    assert stale.mode == "truncate" and stale.enabled and stale.cap == auto.cap
+    explicit = OffPolicyCorrection("mask", cap=3.0)
+    assert explicit.resolved(stale=True) is explicit

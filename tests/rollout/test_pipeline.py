@@ -160,3 +160,23 @@ def test_a_reward_failure_in_the_generator_names_the_iteration_and_cause(tmp_pat
         IterationError, match=r"iteration 1, phase rollout: the generator failed: .*server down"
     ):
         fit(tmp_path / "r", 3, 1, runner=ProcessRunner(), task=task)
+
+
+def test_stale_rows_need_a_recomputed_old_policy_and_a_correction():
+    from lppo.algorithms import OffPolicyCorrection
+    from lppo.rollout import RolloutSettings
+    from lppo.rollout.pipeline import stale_correction
+    from lppo.validation import SettingError
+
+    stale = RolloutSettings(max_staleness=2)
+    with pytest.raises(SettingError, match=r"old_logprobs='rollout' with .*max_staleness=2"):
+        stale_correction(stale, "rollout", OffPolicyCorrection())
+    with pytest.raises(SettingError, match=r"mode=none with .*biased.*allow_uncorrected_stale"):
+        stale_correction(stale, "recompute", OffPolicyCorrection("none"))
+    opted_in = RolloutSettings(max_staleness=2, allow_uncorrected_staleness=True)
+    assert stale_correction(opted_in, "recompute", OffPolicyCorrection("none")).mode == "none"
+    assert stale_correction(stale, "recompute", OffPolicyCorrection()).mode == "truncate"
+    synchronous = RolloutSettings()
+    assert stale_correction(synchronous, "rollout", OffPolicyCorrection()).mode == "none"
+    with pytest.raises(ValueError, match=r"model.rollout.max_staleness=-1"):
+        RolloutSettings(max_staleness=-1)
