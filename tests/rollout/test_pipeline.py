@@ -180,3 +180,13 @@ def test_stale_rows_need_a_recomputed_old_policy_and_a_correction():
     assert stale_correction(synchronous, "rollout", OffPolicyCorrection()).mode == "none"
     with pytest.raises(ValueError, match=r"model.rollout.max_staleness=-1"):
         RolloutSettings(max_staleness=-1)
+
+
+def test_generator_failures_are_skipped_by_the_failure_policy_with_nothing_leaked(tmp_path):
+    task = SlowCopyTask(max_delay_s=0.0, fail_on="*")
+    trainer, system = fit(
+        tmp_path / "f", 3, 1, runner=ProcessRunner(), task=task, max_failed_iterations=3
+    )
+    assert system.run_log.failed == 3  # every iteration's generator failed, none hung
+    assert len(trainer.datamodule.store) == 0
+    assert list(system.rollouts.pending) == [3, 4]  # admitted for a resume
