@@ -205,3 +205,26 @@ def test_vllm_config_runs(tmp_path, monkeypatch):
     # Same weights, both float32: the engine and the trainer agree up to round-off.
     assert all(0 <= x < 1e-6 for x in kl), kl
     engine.close()
+
+
+@pytest.mark.vllm
+def test_vllm_config_runs_with_stale_rollouts(tmp_path, monkeypatch):
+    """``configs/vllm.yaml`` with ``max_staleness 1``: vLLM runs in the background rollout
+    process, weights published to it after every actor phase; the first rollout comes from the
+    trainer's own weights (mismatch at round-off), the later ones one version back."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.chdir(ROOT)
+    args = ["--trainer.max_epochs", "3", "--trainer.default_root_dir", str(tmp_path)]
+    cli = run(["fit", "--config", "configs/vllm.yaml", "--model.rollout.max_staleness", "1", *args])
+    assert type(cli.model.runner).__name__ == "ProcessRunner"
+    rows = list(csv.DictReader((pathlib.Path(cli.trainer.logger.log_dir) / "metrics.csv").open()))
+    lag = [
+        (float(r["rollout/staleness"]), float(r["rollout/mismatch_kl"]))
+        for r in rows
+        if r.get("rollout/staleness")
+    ]
+    assert [s for s, _ in lag] == [0.0, 1.0, 1.0]
+    assert 0 <= lag[0][1] < 1e-6  # the same weights: round-off
+    assert all(kl > lag[0][1] for _, kl in lag[1:])  # one version back: a real mismatch
