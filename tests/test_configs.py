@@ -141,6 +141,17 @@ def test_megatron_config_runs(tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 
+def test_megatron_config_runs_with_stale_rollouts(tmp_path):
+    """megatron-core actor with ``max_staleness 1``: the background rollout process samples
+    from the Hugging Face weights exported from megatron, one version back."""
+    lag = ("--model.rollout.max_staleness", "1")
+    summary = fit_megatron(tmp_path, "--trainer.max_epochs", "3", *lag)
+    assert summary["iterations"] == 3
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        lags = [row["rollout/staleness"] for row in csv.DictReader(f) if row["rollout/staleness"]]
+    assert lags == ["0.0", "1.0", "1.0"]
+
+
 @pytest.mark.slow
 def test_megatron_config_learns(tmp_path):
     """configs/megatron.yaml unshrunk learns like configs/tiny.yaml."""
