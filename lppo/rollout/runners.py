@@ -143,33 +143,43 @@ class ProcessRunner(RecordsInitArgs):
         self.max_restarts = max_restarts
         self.restarts = 0
         self.process: Any = None
-        self._payload: bytes = b""
+        self._source: RolloutSource | None = None
+        self._engine: RolloutEngine | None = None
         self._inbox: Any = None
         self._outbox: Any = None
         self._inflight: list[RolloutJob] = []
 
     def start(self, source: RolloutSource, engine: RolloutEngine) -> None:
         """Start the process with copies of the engine, the policy, the task and the settings."""
-        policy = copy.deepcopy(source.actor.policy()).cpu()
-        threads = self.num_threads or torch.get_num_threads()
-        spec = (engine, policy, source.tokenizer, source.settings, source.task, threads)
-        self._payload = pickle.dumps(spec)
+        self._source, self._engine = source, engine
         self._spawn()
 
     def _spawn(self) -> None:
+        assert self._source is not None
+        s = self._source
+        # The policy's architecture travels (its storages through shared memory, not copied
+        # again); each job brings its weights.
+        policy = copy.deepcopy(s.actor.policy()).cpu()
+        threads = self.num_threads or torch.get_num_threads()
+        spec = (self._engine, policy, s.tokenizer, s.settings, s.task, threads)
         # spawn, not fork: forking a trainer that runs threads (Ray, gloo, torch's pool) is
         # not safe.
         ctx = torch.multiprocessing.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(
-            target=_serve,
-            args=(self._payload, self._inbox, self._outbox),
-            name="lppo-rollout",
-            daemon=True,
+            target=_serve, args=(spec, self._inbox, self._outbox), name="lppo-rollout", daemon=True
         )
         self.process.start()
+        del policy, spec
         what = "the background rollout process to start"
-        kind, message = self._receive(what, self.start_timeout_s, "start_timeout_s")
+        try:
+            kind, message = self._receive(what, self.start_timeout_s, "start_timeout_s")
+        except RolloutProcessError as error:
+            self.close()
+            raise RolloutProcessError(
+                f"{error} Its stderr says why; the engine, policy, tokenizer and task are "
+                "unpickled there, so their classes must be importable by name."
+            ) from None
         if kind != "ready":
             self.close()
             raise RolloutProcessError(f"the background rollout process failed to start:\n{message}")
@@ -321,10 +331,10 @@ class ThreadRunner(RecordsInitArgs):
             self.worker = None
 
 
-def _serve(payload: bytes, inbox: Any, outbox: Any) -> None:
+def _serve(spec: tuple[Any, ...], inbox: Any, outbox: Any) -> None:
     """The background rollout process: set up once, then generate the jobs in order."""
     try:
-        engine, policy, tokenizer, settings, task, threads = pickle.loads(payload)
+        engine, policy, tokenizer, settings, task, threads = spec
         torch.set_num_threads(threads)
         worker = GenerationWorker(engine, policy, tokenizer, settings, task)
     except BaseException:
