@@ -1,23 +1,50 @@
-"""A callback that stops a real ``lppo fit`` at a chosen point, for the SIGKILL tests.
+"""Fault points that stop a real ``lppo fit`` at a chosen place, for the SIGKILL tests.
 
-It writes ``marker`` and then sleeps, so the test can kill the process exactly there.
+Each writes a ``marker`` file and then sleeps forever, so the test can kill the process exactly
+there: :class:`PauseAt` in the trainer's iteration and checkpoint hooks, and
+:class:`PausingDatasetTask` inside the rollout scheduler's publication (the trainer draws the
+prompts of the iteration it admits) or inside the background rollout process's generation (the
+reward of an admitted iteration's samples).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lppo.hooks import PPOCallback
+from lppo.tasks import DatasetTask
+from lppo.tasks.verifiers import Verifier
+
+
+def pause_forever(marker: str) -> None:
+    """Write ``marker`` and sleep until the process is killed."""
+    Path(marker).write_text("reached")
+    while True:
+        time.sleep(1)
+
+
+class _PauseWhenPickled:
+    """An entry of a checkpoint that pauses while ``torch.save`` writes the checkpoint."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        pause_forever(self.marker)
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 class PauseAt(PPOCallback):
-    """Pause forever at ``point``: ``<phase>:<iteration>`` (``checkpoint:<iteration>`` too).
+    """Pause forever at ``point``: ``<phase>:<iteration>`` (0-based iteration).
 
     Args:
-        point: ``critic:1``, ``actor:1``, ``rollout:2`` (after the rows are put) or
-            ``checkpoint:1`` (before iteration 1's checkpoint is written).
+        point: ``critic:1``, ``actor:1`` (in the phase's second epoch), ``rollout:2`` (after
+            the rows are put), ``published:1`` (iteration 1 ended and its policy was published,
+            its checkpoint not yet taken), ``checkpoint:1`` (before iteration 1's checkpoint is
+            built) or ``write:1`` (while iteration 1's first checkpoint file is written).
         marker: file written when the point is reached.
     """
 
@@ -27,9 +54,7 @@ class PauseAt(PPOCallback):
         self.phase, self.iteration, self.marker = phase, int(iteration), marker
 
     def _pause(self) -> None:
-        Path(self.marker).write_text("reached")
-        while True:
-            time.sleep(1)
+        pause_forever(self.marker)
 
     def on_rollout_end(self, ctx: Any) -> None:
         if self.phase == "rollout" and ctx.iteration == self.iteration:
@@ -39,6 +64,71 @@ class PauseAt(PPOCallback):
         if ctx.phase == self.phase and ctx.iteration == self.iteration and ctx.epoch == 1:
             self._pause()
 
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
-        if self.phase == "checkpoint" and trainer.current_epoch == self.iteration:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # Runs after PPOSystem.run_iteration (which publishes) and before the checkpoint
+        # callbacks (Lightning calls them last).
+        if self.phase == "published" and trainer.current_epoch == self.iteration:
             self._pause()
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+        if trainer.current_epoch != self.iteration:
+            return
+        if self.phase == "checkpoint":
+            self._pause()
+        if self.phase == "write":
+            checkpoint["lppo_test_pause"] = _PauseWhenPickled(self.marker)
+
+
+class PausingDatasetTask(DatasetTask):
+    """A :class:`~lppo.tasks.DatasetTask` that pauses forever at one point of a fresh run.
+
+    Args:
+        path: see :class:`~lppo.tasks.DatasetTask` (as are the next six).
+        prompt_field: the prompt's field.
+        answer_field: the answer's field.
+        template: the prompt's template.
+        verifier: the reward function.
+        seed: the shuffle seed.
+        shuffle: shuffle each epoch.
+        pause: ``admit:<k>``: the trainer pauses after drawing iteration ``k``'s prompts (its
+            ``k``-th draw; past the first ``s + 1``, inside ``RolloutPipeline.publish``);
+            ``generate:<k>``: the background rollout process pauses before rewarding
+            iteration ``k``'s samples (its ``k``-th job); ``""``: never.
+        marker: file written when the point is reached.
+    """
+
+    #: The pause is no setting of the run: a resumed run drops it.
+    resume_safe: ClassVar[tuple[str, ...]] = ("pause", "marker")
+
+    def __init__(
+        self,
+        path: str | list[str],
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        template: str | None = None,
+        verifier: Verifier | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        pause: str = "",
+        marker: str = "",
+    ) -> None:
+        super().__init__(path, prompt_field, answer_field, template, verifier, seed, shuffle)
+        where, _, at = pause.partition(":")
+        self.pause_where, self.pause_at, self.marker = where, int(at or -1), marker
+        self.draws = self.rewarded = 0
+
+    def sample_prompts(self, n: int, generator: Any) -> list[Any]:
+        """Draw as the dataset task does; pause after the ``admit`` draw."""
+        prompts = super().sample_prompts(n, generator)
+        if self.pause_where == "admit" and self.draws == self.pause_at:
+            pause_forever(self.marker)
+        self.draws += 1
+        return prompts
+
+    def rewards(self, prompts: list[Any], completions: list[str]) -> list[float]:
+        """Reward as the dataset task does; the rollout process pauses at its ``generate`` job."""
+        in_child = multiprocessing.current_process().name == "lppo-rollout"
+        if in_child and self.pause_where == "generate" and self.rewarded == self.pause_at:
+            pause_forever(self.marker)
+        self.rewarded += 1
+        return super().rewards(prompts, completions)

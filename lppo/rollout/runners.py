@@ -10,6 +10,8 @@ weights a job uses (the job carries them), so where it runs changes timing, neve
 from __future__ import annotations
 
 import copy
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -331,8 +333,27 @@ class ThreadRunner(RecordsInitArgs):
             self.worker = None
 
 
+def _exit_with_parent() -> None:
+    """End this process as soon as the trainer that started it is gone, even by SIGKILL.
+
+    A killed trainer runs no cleanup, and the process would wait for jobs forever (it holds
+    its queues' write ends too, so it never reads an end of file): a thread waits on the
+    parent's sentinel (readable once the parent's end of the start-up pipe is closed).
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lppo-rollout-parent", daemon=True).start()
+
+
 def _serve(spec: tuple[Any, ...], inbox: Any, outbox: Any) -> None:
     """The background rollout process: set up once, then generate the jobs in order."""
+    _exit_with_parent()
     try:
         engine, policy, tokenizer, settings, task, threads = spec
         torch.set_num_threads(threads)

@@ -5,9 +5,11 @@ A module of its own, so the spawned rollout process imports these classes by nam
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from lppo.modules import ActorModule, CriticModule
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
-from lppo.types import FOR_ITERATION, POLICY_VERSION
+from lppo.types import FOR_ITERATION, INPUT_IDS, POLICY_VERSION, RESPONSE_MASK
 
 
 class SlowCopyTask(CopyTask):
@@ -59,6 +61,48 @@ class Provenance(PPOCallback):
         cols = store.read(list(ctx.row_ids), [FOR_ITERATION, POLICY_VERSION])
         pairs = zip(cols[FOR_ITERATION], cols[POLICY_VERSION], strict=True)
         self.rows[ctx.iteration] = {(int(i), int(v)) for i, v in pairs}
+
+
+class RecordRows(PPOCallback):
+    """Writes every iteration's rows to a JSON file keyed by iteration (last write wins).
+
+    Each row is recorded as its prompt (decoded up to the first response token), the whole
+    row (prompt and response) and its ``(for_iteration, policy_version)``. An iteration run
+    again after a resume replaces what the killed run wrote for it, so the file ends with
+    each trained iteration once; it is replaced atomically, so a kill never leaves it torn.
+
+    Args:
+        path: the JSON file (read back by :func:`read_rows`).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = Path(path)
+
+    def on_rollout_end(self, ctx: Any) -> None:
+        tokenizer = ctx.trainer.lightning_module.tokenizer
+        names = [INPUT_IDS, RESPONSE_MASK, FOR_ITERATION, POLICY_VERSION]
+        cols = ctx.store.read(list(ctx.row_ids), names)
+        rows = []
+        for ids, mask, iteration, version in zip(*(cols[n] for n in names), strict=True):
+            start = int(mask.nonzero()[0]) if bool(mask.any()) else len(ids)
+            rows.append(
+                {
+                    "prompt": tokenizer.decode(ids[:start].tolist(), skip_special_tokens=True),
+                    "row": tokenizer.decode(ids.tolist(), skip_special_tokens=False),
+                    "provenance": [int(iteration), int(version)],
+                }
+            )
+        recorded = read_rows(self.path) if self.path.exists() else {}
+        recorded[ctx.iteration] = rows
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({str(k): v for k, v in sorted(recorded.items())}))
+        os.replace(tmp, self.path)
+
+
+def read_rows(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """What :class:`RecordRows` wrote: iteration -> its rows."""
+    return {int(k): v for k, v in json.loads(Path(path).read_text()).items()}
 
 
 def spec(seed: int) -> HFCausalLM:
