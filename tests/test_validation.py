@@ -31,6 +31,7 @@ NUMERIC = (int, float)
 #: integer knobs) fractions are tried on every knob besides these.
 OUT_OF_RANGE: dict[str, str] = {
     "cap": "0.5",
+    "max_staleness": "-1",
     "floor": "1.5",
     "gpu_memory_utilization": "0",
     "max_model_len": "1",

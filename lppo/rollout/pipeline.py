@@ -7,9 +7,13 @@ of timing:
 1. at the run's first iteration ``t0``, iterations ``t0 .. t0 + s`` are admitted with the
    current policy;
 2. when iteration ``t`` ends (``publish``), the policy version advances (unless ``t`` was a
-   critic warm-up iteration, where the actor does not move) and iteration ``t + s + 1`` is
-   admitted with it: its prompts are drawn and the version's weights are attached;
+   critic warm-up iteration, where the actor does not move), an engine that follows the
+   actor's live weights is synced, and with ``s > 0`` iteration ``t + s + 1`` is admitted
+   with the new version: its prompts are drawn and the version's weights are attached;
 3. iteration ``t`` takes its rollout (``take``), waiting for the runner if it is not done.
+   With ``s = 0`` it is admitted here, at the start of its own iteration, as in a
+   synchronous run: a checkpoint between iterations holds no job and the task's position
+   counts only the iterations that ran.
 
 Admission happens before generation, so nothing is generated and then thrown away, and which
 weights produced which rows is fixed by the iteration index alone. A checkpoint holds the
@@ -115,6 +119,8 @@ class RolloutPipeline:
         try:
             if not self._started:
                 self._start(iteration)
+            elif self.staleness == 0:
+                self._admit(iteration)
             job = self.pending.pop(iteration, None)
             if job is None:
                 raise RolloutProcessError(f"it was never admitted (admitted: {self._admitted()})")
@@ -134,7 +140,10 @@ class RolloutPipeline:
         """``iteration`` ended: advance the version (after an actor phase), admit the next."""
         if iteration >= self.warmup_iterations:
             self.version += 1
-        self._admit(iteration + self.staleness + 1)
+        if self.runner.live_weights:
+            self.source.sync()  # evaluation and export see the published weights
+        if self.staleness > 0:
+            self._admit(iteration + self.staleness + 1)
 
     def close(self) -> None:
         """Stop the runner (admitted jobs stay in :meth:`state_dict` for a resume)."""
