@@ -237,8 +237,9 @@ class HFGenerateEngine(RecordsInitArgs):
             do_sample=not greedy,
             max_new_tokens=sampling.max_new_tokens,
             num_beams=1,
-            # ignore_eos: no stop token, so every row runs to max_new_tokens
-            eos_token_id=None if sampling.ignore_eos else self.eos_token_id,
+            # ignore_eos: no stop token, so every row runs to max_new_tokens. An empty list,
+            # not None: generate fills a None from the model's generation_config (its EOS).
+            eos_token_id=[] if sampling.ignore_eos else self.eos_token_id,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_scores=True,

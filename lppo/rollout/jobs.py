@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -108,6 +109,56 @@ class GeneratedRollout:
     started: float = 0.0
     finished: float = 0.0
     idle_seconds: float = 0.0
+
+    def dumps(self) -> bytes:
+        """Pickled, each per-row column of the samples packed into one tensor.
+
+        Pickling a tensor pickles its storage on its own (``torch.save`` of each), so a
+        rollout of many short rows (one tensor per row and column) took tenths of a second
+        each way; packed, a column is one storage.
+        """
+        rollout = self.rollout
+        if not isinstance(rollout, Rollout):
+            return pickle.dumps((self, None))
+        columns: dict[str, Any] = {f.name: getattr(rollout, f.name) for f in fields(rollout)}
+        for name in _ROW_COLUMNS:
+            columns[name] = _pack_rows(columns[name])
+        columns["extras"] = {k: _pack_rows(v) for k, v in rollout.extras.items()}
+        return pickle.dumps((dataclasses.replace(self, rollout=None), columns))
+
+    @staticmethod
+    def loads(message: bytes) -> GeneratedRollout:
+        """The :class:`GeneratedRollout` :meth:`dumps` pickled (rows are views of a column)."""
+        generated, columns = pickle.loads(message)
+        if columns is not None:
+            for name in _ROW_COLUMNS:
+                columns[name] = _unpack_rows(columns[name])
+            columns["extras"] = {k: _unpack_rows(v) for k, v in columns["extras"].items()}
+            generated.rollout = Rollout(**columns)
+        return generated
+
+
+_ROW_COLUMNS = ("input_ids", "response_mask", "gen_logprobs")
+
+
+def _pack_rows(rows: list[torch.Tensor]) -> tuple[str, Any, list[int]]:
+    """A column of per-row tensors as one tensor: 0-dim rows stacked, 1-dim rows concatenated."""
+    if rows and len({t.dtype for t in rows}) == 1:
+        if all(t.dim() == 0 for t in rows):
+            return ("stack", torch.stack(rows), [])
+        if all(t.dim() == 1 for t in rows):
+            return ("cat", torch.cat(rows), [len(t) for t in rows])
+    return ("list", rows, [])
+
+
+def _unpack_rows(packed: tuple[str, Any, list[int]]) -> list[torch.Tensor]:
+    """The rows :func:`_pack_rows` packed."""
+    kind, data, lengths = packed
+    if kind == "stack":
+        return list(data.unbind(0))
+    if kind == "cat":
+        return list(data.split(lengths))
+    return data
 
 
 def snapshot(policy: torch.nn.Module) -> Weights:

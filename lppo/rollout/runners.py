@@ -113,7 +113,8 @@ class ProcessRunner(RecordsInitArgs):
     """Generates jobs in one background process that lppo starts and stops itself.
 
     The process holds its own copy of the policy and of the engine; each job's weights reach
-    it through shared memory (torch's multiprocessing), its samples come back pickled. It
+    it through shared memory (torch's multiprocessing), its samples come back pickled (each
+    column packed into one tensor: :meth:`~lppo.rollout.jobs.GeneratedRollout.dumps`). It
     generates the admitted jobs in order, concurrently with training.
 
     Args:
@@ -215,8 +216,7 @@ class ProcessRunner(RecordsInitArgs):
         self._inflight.pop(0)
         if kind == "error":
             return GeneratedRollout(job.iteration, None, message)
-        generated: GeneratedRollout = pickle.loads(message)
-        return generated
+        return GeneratedRollout.loads(message)
 
     def _receive(self, what: str, bound: float, key: str) -> tuple[str, Any]:
         deadline = time.monotonic() + bound
@@ -371,7 +371,7 @@ def _serve(spec: tuple[Any, ...], inbox: Any, outbox: Any) -> None:
         try:
             generated = worker.run(job)
             generated.idle_seconds = idle
-            outbox.put(("done", pickle.dumps(generated)))
+            outbox.put(("done", generated.dumps()))
         except Exception as error:
             outbox.put(("error", f"{type(error).__name__}: {error}"))
         del job

@@ -39,11 +39,18 @@ def test_without_ignore_eos_responses_stop_at_eos() -> None:
 
 
 def test_ignore_eos_gives_exactly_max_new_tokens() -> None:
-    out = generate(max_new_tokens=16, ignore_eos=True)
-    assert all(int(m.sum()) == 16 for m in out.response_mask)
+    # 96 tokens: long enough that every row samples EOS, so generate would stop at the last
+    # row's EOS (and pad the rows after theirs) if EOS still ended a row.
+    out = generate(max_new_tokens=96, ignore_eos=True)
+    assert all(int(m.sum()) == 96 for m in out.response_mask)
     assert not out.truncated.any()
     inner = [(response(out, r)[:-1] == TOK.eos_token_id).any() for r in range(len(out))]
     assert any(inner)  # EOS tokens were sampled and kept as ordinary tokens
+    for r in range(len(out)):  # after its first EOS a row samples on; it is not padded
+        eos = (response(out, r) == TOK.eos_token_id).nonzero().flatten().tolist()
+        tail = response(out, r)[eos[0] + 1 :] if eos else torch.tensor([])
+        if len(tail) >= 4:
+            assert not (tail == TOK.pad_token_id).all()
     assert all(lp[m].lt(0).all() for lp, m in zip(out.gen_logprobs, out.response_mask, strict=True))
 
 
