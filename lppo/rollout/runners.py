@@ -13,7 +13,6 @@ import copy
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import queue
 import threading
 import time
