@@ -137,6 +137,25 @@ def test_a_dead_generator_is_replaced_and_the_run_is_unchanged(tmp_path):
     assert_same(params(straight), params(replaced))
 
 
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_latencies_and_a_dead_generator_keep_the_lag_exact(tmp_path, staleness):
+    # random reward latencies, random training latencies, and the generator killed once:
+    # every row still comes from the version published s iterations back, nothing hangs,
+    # and the run equals the synchronous oracle bit for bit. Killed at the end of index 1, a
+    # job is always submitted after the kill (index 2's publish admits index 3 + s <= 6 of
+    # 0..6), so the replacement is always exercised.
+    rows, oracle_rows = Provenance(), Provenance()
+    runner = ProcessRunner(max_restarts=1, timeout_s=60.0)
+    callbacks = (rows, Jitter(0.02), KillGenerator(at=1))
+    _, run = fit(tmp_path / "a", 7, staleness, runner, SlowCopyTask(0.05), callbacks)
+    _, oracle = fit(tmp_path / "o", 7, staleness, InlineRunner(), callbacks=(oracle_rows,))
+    assert runner.restarts == 1
+    for t in range(7):
+        assert rows.rows[t] == {(t, max(0, t - staleness))}
+    assert rows.rows == oracle_rows.rows
+    assert_same(params(oracle), params(run))
+
+
 def test_a_dead_generator_without_restarts_fails_naming_the_iteration(tmp_path):
     dead = r"iteration [34], phase rollout: .*exited with code -9"
     with pytest.raises(IterationError, match=dead):
