@@ -33,7 +33,7 @@ def summarize(result: Result, window: tuple[int, int]) -> dict[str, float]:
         return [float(r[name]) for r in rows if r.get(name)]
 
     rate = col("perf/tokens_per_second/rollout")
-    secs = col("perf/seconds/rollout")
+    secs = col("perf/generation/generation")  # the rate is per second of generation
     tokens = _mean([a * b for a, b in zip(rate, secs, strict=False)])
     iteration = _mean(wall)
     generation = _mean(col("perf/generation/generation"))

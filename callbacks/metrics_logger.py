@@ -95,7 +95,8 @@ class PPOMetricsLogger(PPOCallback):
       ``critic/explained_variance``, ``critic/value_mean``, ``critic/return_mean``,
       ``actor/approx_kl``, ``actor/entropy`` and any further ``StepStats.metrics``;
     * one iteration row: ``rollout/<name>`` for :data:`ROLLOUT_KEYS`,
-      ``perf/tokens_per_second/<phase>``, ``perf/seconds/<phase>``,
+      ``perf/tokens_per_second/<phase>`` (rollout: per second of generation),
+      ``perf/seconds/<phase>``,
       ``perf/padding_fraction/<phase>`` (score, critic, actor), ``perf/generation/<k>``
       (the rollout's wait, generation, overlap and generator-idle seconds) and
       ``perf/peak_memory_bytes``.
@@ -165,13 +166,17 @@ class PPOMetricsLogger(PPOCallback):
     def iteration_row(result: Any, pl_module: pl.LightningModule | None = None) -> dict[str, float]:
         """The ``rollout/*`` and ``perf/*`` metrics of one iteration result."""
         row = {f"rollout/{k}": float(v) for k, v in result.rollout.as_dict().items()}
+        generation = getattr(result, "generation", {})
         for phase in THROUGHPUT_PHASES:
             seconds = result.seconds.get(phase)
+            if phase == "rollout" and generation.get("generation", 0.0) > 0:
+                # the generator's own seconds: with stale rollouts the trainer's rollout
+                # phase is only the wait for rows generated while earlier iterations trained
+                seconds = generation["generation"]
             tokens = result.tokens.get(phase)
             if seconds is not None and tokens is not None:
                 row[f"perf/tokens_per_second/{phase}"] = tokens / seconds if seconds > 0 else 0.0
         row.update({f"perf/seconds/{k}": float(v) for k, v in result.seconds.items()})
-        generation = getattr(result, "generation", {})
         row.update({f"perf/generation/{k}": float(v) for k, v in generation.items()})
         padding = getattr(result, "padding", {})
         row.update({f"perf/padding_fraction/{k}": float(v) for k, v in padding.items()})
