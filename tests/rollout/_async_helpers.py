@@ -19,6 +19,7 @@ from lppo.data import ReplayDataModule
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
+from lppo.ray_runtime import RaySettings
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
@@ -118,9 +119,14 @@ def fit(
     callbacks: tuple[Any, ...] = (),
     ckpt_path: str | None = None,
     warmup: int = 0,
+    store: Any = None,
+    ray: Any = None,
     **ppo: Any,
 ) -> tuple[PPOTrainer, PPOSystem]:
-    """A small GAE run with lag ``staleness`` (1 torch thread: the child matches it)."""
+    """A small GAE run with lag ``staleness`` (1 torch thread: the child matches it).
+
+    ``store`` is the replay store (``None``: in-process), ``ray`` the trainer's Ray settings.
+    """
     system = PPOSystem(
         actor=ActorModule(spec(0), lr=3e-3),
         critic=CriticModule(spec(1), lr=3e-3),
@@ -140,8 +146,10 @@ def fit(
         default_root_dir=str(root),
         accelerator="cpu",
         callbacks=list(callbacks),
+        ray=ray if ray is not None else RaySettings(),
     )
-    trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=40), ckpt_path=ckpt_path)
+    data = ReplayDataModule(max_tokens_per_chunk=40, store=store)
+    trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)
     return trainer, system
 
 

@@ -1,16 +1,18 @@
-"""Asynchronous rollouts from Ray rollout workers (a thread drives them), in both stores."""
+"""Asynchronous rollouts from Ray rollout workers (a thread drives them) and from the background
+process, in both stores."""
 
 from __future__ import annotations
 
 import pytest
 from _async_helpers import Provenance, assert_same, params, spec
+from _async_helpers import fit as async_fit
 from _tq import RAY, tq_store
 
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
 from lppo.replay import MemoryReplayStore
-from lppo.rollout import InlineRunner, RayWorkersEngine, ThreadRunner
+from lppo.rollout import InlineRunner, ProcessRunner, RayWorkersEngine, ThreadRunner
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
@@ -50,3 +52,14 @@ def test_ray_workers_behind_a_thread_equal_the_oracle(tmp_path, store):
     assert isinstance(run.runner, ThreadRunner)  # chosen for an engine with its own processes
     assert_same(params(oracle), params(run))
     assert rows.rows == oracle_rows.rows == {0: {(0, 0)}, 1: {(1, 0)}, 2: {(2, 1)}}
+
+
+def test_the_background_process_into_transfer_queue_equals_the_memory_store(tmp_path):
+    memory_rows, tq_rows = Provenance(), Provenance()
+    _, memory = async_fit(tmp_path / "memory", 4, 1, ProcessRunner(), callbacks=(memory_rows,))
+    trainer, tq = async_fit(
+        tmp_path / "tq", 4, 1, ProcessRunner(), callbacks=(tq_rows,), store=tq_store(), ray=RAY
+    )
+    assert_same(params(memory), params(tq))
+    assert tq_rows.rows == memory_rows.rows == {0: {(0, 0)}, 1: {(1, 0)}, 2: {(2, 1)}, 3: {(3, 2)}}
+    assert len(trainer.datamodule.store) == 0  # every row released
