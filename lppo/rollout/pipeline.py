@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.errors import IterationError
 from lppo.replay.rollout_rows import StoredRollout
@@ -33,7 +35,7 @@ from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.jobs import GeneratedRollout, RolloutJob, Weights, snapshot
 from lppo.rollout.runners import RolloutProcessError, RolloutRunner
 from lppo.rollout.source import RolloutSource
-from lppo.types import GenerationReport, Rollout, iteration_label
+from lppo.types import POLICY_VERSION, GenerationReport, Rollout, iteration_label
 from lppo.validation import SettingError
 
 
@@ -134,7 +136,7 @@ class RolloutPipeline:
         if isinstance(rows, Rollout):
             rows = self.source.put(rows, iteration)
         waited = time.monotonic() - clock
-        return rows, self._report(job, generated, clock, waited)
+        return rows, self._report(rows, job, generated, clock, waited)
 
     def publish(self, iteration: int) -> None:
         """``iteration`` ended: advance the version (after an actor phase), admit the next."""
@@ -202,15 +204,36 @@ class RolloutPipeline:
     def _admitted(self) -> list[int]:
         return [i + 1 for i in sorted(self.pending)]
 
+    def _row_staleness(self, rows: Rollout | StoredRollout, job: RolloutJob) -> int:
+        """Versions published since the oldest of the rows was sampled (their own column)."""
+        versions: list[torch.Tensor] = []
+        if isinstance(rows, Rollout):
+            versions = rows.extras.get(POLICY_VERSION, [])
+        elif self.source.store is not None and len(rows):
+            try:
+                versions = self.source.store.read(list(rows.row_ids), [POLICY_VERSION])[
+                    POLICY_VERSION
+                ]
+            except KeyError:  # an engine that writes its own rows without provenance
+                versions = []
+        if not versions:
+            return self.version - job.version
+        return self.version - min(int(v) for v in versions)
+
     def _report(
-        self, job: RolloutJob, generated: GeneratedRollout, waited_from: float, waited: float
+        self,
+        rows: Rollout | StoredRollout,
+        job: RolloutJob,
+        generated: GeneratedRollout,
+        waited_from: float,
+        waited: float,
     ) -> GenerationReport:
         busy = generated.finished - generated.started
         during_wait = max(
             0.0, min(generated.finished, waited_from + waited) - max(generated.started, waited_from)
         )
         return GenerationReport(
-            staleness=self.version - job.version,
+            staleness=self._row_staleness(rows, job),
             wait_seconds=waited,
             generation_seconds=busy,
             overlap_seconds=max(0.0, busy - during_wait),
