@@ -151,6 +151,10 @@ class ProcessRunner(RecordsInitArgs):
         self._inbox: Any = None
         self._outbox: Any = None
         self._inflight: list[RolloutJob] = []
+        #: Jobs the queue could not send (by iteration): their waits fail at once.
+        self._unsent: dict[int, str] = {}
+        #: Answers that came while a job that was never sent was awaited (in order).
+        self._early: list[tuple[str, Any]] = []
 
     def start(self, source: RolloutSource, engine: RolloutEngine) -> None:
         """Start the process with copies of the engine, the policy, the task and the settings."""
@@ -173,6 +177,12 @@ class ProcessRunner(RecordsInitArgs):
         # not safe.
         ctx = torch.multiprocessing.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self._early = []  # the old process's answers: its unfinished jobs are sent again
+        # A job is pickled (its weights moved to shared memory) in the queue's feeder thread,
+        # which by default prints a failure and drops the job: record it, so the wait for
+        # that job fails at once, naming the cause (the stdlib's hook for this, which
+        # concurrent.futures overrides too).
+        self._inbox._on_queue_feeder_error = self._send_failed
         self.process = ctx.Process(
             target=_serve, args=(spec, self._inbox, self._outbox), name="lppo-rollout", daemon=True
         )
@@ -193,6 +203,16 @@ class ProcessRunner(RecordsInitArgs):
         for job in self._inflight:  # a replacement generates the unfinished jobs again
             self._inbox.put(job)
 
+    def _send_failed(self, error: BaseException, job: Any) -> None:
+        if not isinstance(job, RolloutJob):  # the stop message: nothing waits for it
+            return
+        self._unsent[job.iteration] = (
+            f"iteration {job.iteration + 1}'s job could not be sent to the background rollout "
+            f"process ({type(error).__name__}: {error}). Its weights travel through shared memory "
+            "(/dev/shm): give it room for max_staleness + 1 copies of the policy (docker: "
+            "--shm-size), or use model.runner: lppo.rollout.InlineRunner."
+        )
+
     def submit(self, job: RolloutJob) -> None:
         """Send ``job`` to the process (its weights travel through shared memory)."""
         self._inflight.append(job)
@@ -208,7 +228,7 @@ class ProcessRunner(RecordsInitArgs):
         what = f"the rollout of iteration {job.iteration + 1} from the background rollout process"
         while True:
             try:
-                kind, message = self._receive(what, self.timeout_s, "timeout_s")
+                kind, message = self._receive(what, self.timeout_s, "timeout_s", job)
                 break
             except RolloutProcessError:
                 if self.process is not None and self.process.is_alive():
@@ -220,15 +240,34 @@ class ProcessRunner(RecordsInitArgs):
         self._inflight.pop(0)
         if kind == "error":
             return GeneratedRollout(job.iteration, None, message)
-        return GeneratedRollout.loads(message)
+        generated = GeneratedRollout.loads(message)
+        if generated.iteration != job.iteration:
+            raise RolloutProcessError(
+                f"the background rollout process answered iteration {generated.iteration + 1} "
+                f"when iteration {job.iteration + 1}'s rollout was due."
+            )
+        return generated
 
-    def _receive(self, what: str, bound: float, key: str) -> tuple[str, Any]:
+    def _receive(
+        self, what: str, bound: float, key: str, job: RolloutJob | None = None
+    ) -> tuple[str, Any]:
         deadline = time.monotonic() + bound
         while True:
+            if job is not None and job.iteration in self._unsent:
+                # never sent, so never answered: the next iteration waits for the next job
+                self._inflight = [j for j in self._inflight if j.iteration != job.iteration]
+                raise RolloutProcessError(self._unsent.pop(job.iteration))
+            if self._early:
+                return self._early.pop(0)
             try:
-                return self._outbox.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+                message = self._outbox.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
-                pass
+                message = None
+            if message is not None and job is not None and job.iteration in self._unsent:
+                self._early.append(message)  # a later job's answer: its own wait takes it
+                continue
+            if message is not None:
+                return message
             if not self.process.is_alive():
                 code = self.process.exitcode
                 raise RolloutProcessError(
