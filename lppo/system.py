@@ -31,8 +31,8 @@ from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
-from lppo.rollout.pipeline import RolloutPipeline, stale_correction
-from lppo.rollout.runners import RolloutRunner, default_runner
+from lppo.rollout.pipeline import RolloutPipeline, default_runner, stale_correction
+from lppo.rollout.runners import RolloutRunner
 from lppo.run_log import RunLog
 from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task

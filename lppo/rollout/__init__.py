@@ -14,14 +14,9 @@ from lppo.rollout.base import (
 )
 from lppo.rollout.evaluation import EvalSamples
 from lppo.rollout.hf import HFGenerateEngine
+from lppo.rollout.process_runner import ProcessRunner
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
-from lppo.rollout.runners import (
-    InlineRunner,
-    ProcessRunner,
-    RolloutProcessError,
-    RolloutRunner,
-    ThreadRunner,
-)
+from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
 from lppo.rollout.vllm import VLLMEngine
 

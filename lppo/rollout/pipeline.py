@@ -33,7 +33,8 @@ from lppo.errors import IterationError
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.jobs import GeneratedRollout, RolloutJob, Weights, snapshot
-from lppo.rollout.runners import RolloutProcessError, RolloutRunner
+from lppo.rollout.process_runner import ProcessRunner
+from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
 from lppo.rollout.source import RolloutSource
 from lppo.types import POLICY_VERSION, GenerationReport, Rollout, iteration_label
 from lppo.validation import SettingError
@@ -239,3 +240,16 @@ class RolloutPipeline:
             overlap_seconds=max(0.0, busy - during_wait),
             generator_idle_seconds=generated.idle_seconds,
         )
+
+
+def default_runner(staleness: int, engine: RolloutEngine) -> RolloutRunner:
+    """The runner of ``model.runner: null``.
+
+    The trainer at ``s = 0``; else a thread when the engine generates in processes of its own
+    (``generates_elsewhere``, e.g. Ray rollout workers), a background process otherwise.
+    """
+    if staleness == 0:
+        return InlineRunner()
+    if getattr(engine, "generates_elsewhere", False):
+        return ThreadRunner()
+    return ProcessRunner()

@@ -11,7 +11,7 @@ from _async_helpers import fit
 
 from lppo.errors import IterationError
 from lppo.rollout import ProcessRunner
-from lppo.rollout.runners import oversubscription
+from lppo.rollout.process_runner import oversubscription
 
 
 def test_oversubscription_names_both_knobs_and_the_cores() -> None:
