@@ -146,6 +146,7 @@ class VLLMEngine(RecordsInitArgs):
         policy.save_pretrained(self._dir)
         # The in-memory sync hands tensors to the worker: keep it in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.llm = vllm.LLM(
             model=self._dir,
             skip_tokenizer_init=True,
@@ -158,6 +159,11 @@ class VLLMEngine(RecordsInitArgs):
             logprobs_mode="processed_logprobs",
             **self.engine_kwargs,
         )
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op, for a
+        # worker process whose cores it bound. In this process (the trainer's, or lppo's
+        # rollout process) the thread count belongs to model.num_threads: give it back.
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
 
     def sync_from(self, policy: torch.nn.Module, version: int) -> None:
         """Load ``policy``'s weights into the running engine and drop its prefix cache."""

@@ -107,6 +107,20 @@ def test_generation_is_grouped_cut_at_eos_and_reproducible(setup):
 
 
 @pytest.mark.vllm
+def test_the_trainer_keeps_its_torch_thread_count(setup):
+    # vLLM's CPU worker makes torch.set_num_threads a no-op in its process, which here is the
+    # trainer's: model.num_threads (and the rollout process's count) must still apply
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.vllm
 def test_logprobs_match_the_trainer_on_the_same_weights(setup):
     engine, policy, _ = setup
     out = engine.generate(prompts(), 3, seed=5)
