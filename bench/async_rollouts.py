@@ -24,7 +24,7 @@ iteration and of the generator, the trainer's peak RSS (``perf/peak_memory_bytes
 RSS of the generating processes and of all the fit's descendants (sampled every 0.5 s), the
 cores other processes kept busy meanwhile, and the fit's whole wall time (start-up included).
 
-    .venv/bin/python bench/async_rollouts.py            # ≈ 9 min on 2 idle cores
+    .venv/bin/python bench/async_rollouts.py            # ≈ 5-9 min on 2 idle cores
     .venv/bin/python bench/async_rollouts.py --settings long --only sync process-s1 process-s1-2t
 """
 
