@@ -27,15 +27,22 @@ from lppo.types import FOR_ITERATION, INPUT_IDS, POLICY_VERSION, RESPONSE_MASK
 
 
 class SlowCopyTask(CopyTask):
-    """The copy task whose reward sleeps a random time (OS entropy: no RNG of the run moves)."""
+    """The copy task whose reward sleeps a random time in ``[min_delay_s, max_delay_s]``.
 
-    def __init__(self, max_delay_s: float = 0.05, fail_on: str = "", **kwargs: Any) -> None:
+    The delay draws on OS entropy, so no RNG of the run moves.
+    """
+
+    def __init__(
+        self, max_delay_s: float = 0.05, fail_on: str = "", min_delay_s: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.max_delay_s = max_delay_s
+        self.min_delay_s = min_delay_s
         self.fail_on = fail_on
 
     def rewards(self, prompts: list[Any], completions: list[str]) -> list[float]:
-        time.sleep(random.SystemRandom().random() * self.max_delay_s)
+        spread = self.max_delay_s - self.min_delay_s
+        time.sleep(self.min_delay_s + random.SystemRandom().random() * spread)
         if self.fail_on == "*" or any(p.text == self.fail_on for p in prompts):
             raise RuntimeError(f"reward server down for {self.fail_on!r}")
         return super().rewards(prompts, completions)

@@ -170,8 +170,9 @@ def test_a_dead_generator_without_restarts_fails_naming_the_iteration(tmp_path):
 
 def test_a_wait_past_its_bound_fails_with_the_named_error(tmp_path):
     runner = ProcessRunner(timeout_s=0.3)
+    task = SlowCopyTask(min_delay_s=3.0, max_delay_s=3.0)  # every rollout outlasts the bound
     with pytest.raises(IterationError, match=r"iteration 1, phase rollout: waited 0.3 s for"):
-        fit(tmp_path / "t", 3, 1, runner=runner, task=SlowCopyTask(max_delay_s=3.0))
+        fit(tmp_path / "t", 3, 1, runner=runner, task=task)
     assert runner.process is None  # the run's teardown stopped it
 
 
