@@ -38,6 +38,7 @@ def worker(rows: int, variant: str) -> dict:
     import torch
     from _memory import PeakProbe, status_kib
 
+    from lppo.algorithms import ClippedPPO
     from lppo.chunks import read_chunk
     from lppo.config import PPOConfig
     from lppo.data import ReplayDataModule
@@ -55,7 +56,9 @@ def worker(rows: int, variant: str) -> dict:
         architecture="llama", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128
     )
     system = PPOSystem(
-        actor=ActorModule(HFCausalLM(**spec, seed=0), lr=3e-3, clip_high=0.28),
+        actor=ActorModule(
+            HFCausalLM(**spec, seed=0), lr=3e-3, objective=ClippedPPO(clip_high=0.28)
+        ),
         critic=CriticModule(HFCausalLM(**spec, seed=1), lr=3e-3, value_clip=0.5),
         task=CopyTask(min_length=2, max_length=4, alphabet_size=8, transform="first"),
         engine=HFGenerateEngine(batch_size=256),  # generation memory bounded by the batch

@@ -95,7 +95,7 @@ def worker_generate(args: argparse.Namespace) -> dict[str, float]:
 def worker_iteration(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from lppo.algorithms import OffPolicyCorrection
+    from lppo.algorithms import ClippedPPO, OffPolicyCorrection
     from lppo.config import PPOConfig
     from lppo.data import ReplayDataModule
     from lppo.hooks import PPOCallback
@@ -123,7 +123,7 @@ def worker_iteration(args: argparse.Namespace) -> dict[str, float]:
         actor=ActorModule(
             HFCausalLM(**spec, seed=0),
             lr=3e-3,
-            clip_high=0.28,
+            objective=ClippedPPO(clip_high=0.28),
             off_policy=OffPolicyCorrection("truncate", cap=2.0),
         ),
         critic=CriticModule(HFCausalLM(**spec, seed=1), lr=3e-3, value_clip=0.5),

@@ -26,6 +26,12 @@ class PPOConfig:
         critic_warmup_iterations: the first N iterations train only the critic.
         mask_truncated: overlong filtering; responses cut at ``max_new_tokens`` become invalid
             rows (never trained, counted against the drop budget).
+        overlong_buffer: DAPO's soft overlong punishment: a response in the last
+            ``overlong_buffer`` tokens before ``model.rollout.max_new_tokens`` loses reward
+            linearly, down to ``overlong_penalty`` at the limit (0: off;
+            :func:`~lppo.replay.rollout_rows.overlong_penalty`). Combine with or instead of
+            ``mask_truncated``.
+        overlong_penalty: the reward lost by a response of ``max_new_tokens`` tokens.
         max_abs_reward: rewards with a larger magnitude (like non-finite ones) make their row
             invalid: counted, never trained on (``null``: only non-finite rewards do).
         max_consecutive_skipped_steps: optimizer steps of one module skipped in a row (non-finite
@@ -74,6 +80,8 @@ class PPOConfig:
     actor_minibatches: int = 1
     critic_warmup_iterations: int = 0
     mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     max_abs_reward: float | None = None
     max_consecutive_skipped_steps: int = 3
     max_skipped_steps: int | None = None
@@ -117,6 +125,14 @@ class PPOConfig:
             fix="0 stops the run at the first failed iteration.",
         )
         check_number("model.ppo.kl_coef", self.kl_coef, low=0, fix="0 disables the KL penalty.")
+        check_number(
+            "model.ppo.overlong_buffer",
+            self.overlong_buffer,
+            integer=True,
+            low=0,
+            fix="0: no overlong punishment; DAPO uses 4096 of 20480 new tokens.",
+        )
+        check_number("model.ppo.overlong_penalty", self.overlong_penalty, low=0)
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise SettingError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
         if self.old_logprobs not in ("recompute", "rollout"):
@@ -152,6 +168,22 @@ class PPOConfig:
                 "disable_dropout: true or old_values: score."
             )
 
-    def row_rules(self) -> RowRules:
-        """Which rows become invalid when they are put (``max_abs_reward``, ``mask_truncated``)."""
-        return RowRules(self.max_abs_reward, self.mask_truncated)
+    def row_rules(self, max_new_tokens: int) -> RowRules:
+        """What happens to rows when they are put: invalid rows, the overlong punishment.
+
+        Raises:
+            SettingError: ``overlong_buffer`` exceeds ``max_new_tokens``.
+        """
+        if self.overlong_buffer > max_new_tokens:
+            raise SettingError(
+                f"model.ppo.overlong_buffer={self.overlong_buffer} exceeds "
+                f"model.rollout.max_new_tokens={max_new_tokens}: the buffer is the last part "
+                "of the response length; lower it (DAPO: a fifth of max_new_tokens)."
+            )
+        return RowRules(
+            self.max_abs_reward,
+            self.mask_truncated,
+            self.overlong_buffer,
+            self.overlong_penalty,
+            max_new_tokens,
+        )

@@ -47,6 +47,7 @@ from lppo.types import (
     ADVANTAGES,
     GEN_LOGPROBS,
     OLD_LOGPROBS,
+    REF_LOGPROBS,
     RETURNS,
     VALUES,
     GenerationReport,
@@ -106,10 +107,11 @@ class PPOController:
         self.critic = critic
         self.data = data
         self.config = config if config is not None else PPOConfig()
-        if self.config.kl_coef > 0 and reference is None:
+        if (self.config.kl_coef > 0 or actor.needs_reference) and reference is None:
             raise ValueError(
-                f"model.ppo.kl_coef={self.config.kl_coef} needs a reference policy; pass "
-                "reference= (PPOSystem builds a frozen copy of the actor) or set kl_coef=0."
+                f"model.ppo.kl_coef={self.config.kl_coef} with model.actor.init_args."
+                f"kl_loss_coef={actor.kl_loss_coef} needs a reference policy; pass reference= "
+                "(PPOSystem builds a frozen copy of the actor) or set both to 0."
             )
         self.reference = reference
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
@@ -286,6 +288,8 @@ class PPOController:
         names = [VALUES, RETURNS] if phase == "critic" else [OLD_LOGPROBS, ADVANTAGES]
         if phase == "actor" and self.actor.off_policy.enabled:
             names.append(GEN_LOGPROBS)
+        if phase == "actor" and self.actor.needs_reference:
+            names.append(REF_LOGPROBS)
         padding = 0.0
         for epoch in range(epochs):
             ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = phase, epoch, -1, -1

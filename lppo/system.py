@@ -213,7 +213,7 @@ class PPOSystem(LightningModule):
             seed=self.seed,
             group=parallel.data,
             store=data.store,
-            rules=self.ppo.row_rules(),
+            rules=self.ppo.row_rules(r.max_new_tokens),
             tokenizer=self.tokenizer,
         )
         stop_at = getattr(trainer, "max_epochs", None)
@@ -237,10 +237,13 @@ class PPOSystem(LightningModule):
             if module is not None:
                 module.configure_model(*ids)
         self.actor.temperature = self.rollout.temperature
+        for module in (self.actor, self.critic):
+            if module is not None:
+                module.max_response_tokens = self.rollout.max_new_tokens
         self.actor.off_policy = stale_correction(
             self.rollout, self.ppo.old_logprobs, self.actor.off_policy
         )
-        if self.ppo.kl_coef > 0:
+        if self.ppo.kl_coef > 0 or self.actor.needs_reference:
             self.reference = copy.deepcopy(self.actor)
             self.reference.requires_grad_(False)
             self.reference.eval()

@@ -96,5 +96,10 @@ def filled_store(cols: dict[str, list[torch.Tensor]]) -> MemoryReplayStore:
 
 
 def stored(controller: PPOController, rollout: Rollout, iteration: int = 0) -> StoredRollout:
-    """Put ``rollout`` into ``controller``'s store as the rollout source does (its row rules)."""
-    return put_samples(controller.data.store, rollout, controller.config.row_rules(), iteration)
+    """Put ``rollout`` into ``controller``'s store as the rollout source does (its row rules).
+
+    The overlong punishment's ``max_new_tokens`` is the longest response of ``rollout``.
+    """
+    longest = max((int(m.sum()) for m in rollout.response_mask), default=0)
+    rules = controller.config.row_rules(longest)
+    return put_samples(controller.data.store, rollout, rules, iteration)

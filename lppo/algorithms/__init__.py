@@ -1,8 +1,9 @@
 """PPO estimators and losses: small pure functions with their formulas in the docstrings."""
 
 from lppo.algorithms.advantages import advantages_and_returns, gae, last_valid_index, token_rewards
-from lppo.algorithms.kl import KLKind, kl_penalty
+from lppo.algorithms.kl import KLKind, kl_loss, kl_penalty
 from lppo.algorithms.losses import (
+    LOSS_AGGREGATIONS,
     LossAggregation,
     PolicyTerms,
     ValueTerms,
@@ -11,6 +12,7 @@ from lppo.algorithms.losses import (
     token_weights,
     value_loss,
 )
+from lppo.algorithms.objectives import CISPO, GSPO, ClippedPPO, PolicyObjective
 from lppo.algorithms.off_policy import (
     ImportanceWeights,
     OffPolicyCorrection,
@@ -20,18 +22,24 @@ from lppo.algorithms.off_policy import (
 from lppo.algorithms.whitening import Moments, whiten
 
 __all__ = [
+    "CISPO",
+    "GSPO",
+    "LOSS_AGGREGATIONS",
+    "ClippedPPO",
     "ImportanceWeights",
     "KLKind",
     "LossAggregation",
     "Moments",
     "OffPolicyCorrection",
     "OffPolicyMode",
+    "PolicyObjective",
     "PolicyTerms",
     "ValueTerms",
     "advantages_and_returns",
     "entropy_from_logprobs",
     "gae",
     "importance_weights",
+    "kl_loss",
     "kl_penalty",
     "last_valid_index",
     "policy_loss",

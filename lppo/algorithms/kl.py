@@ -6,6 +6,8 @@ from typing import Literal
 
 import torch
 
+from lppo.algorithms.losses import LOG_RATIO_CLAMP
+
 KLKind = Literal["k1", "k2", "k3"]
 
 
@@ -34,3 +36,33 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind)
     if kind == "k3":
         return torch.expm1(-diff) + diff
     raise ValueError(f"kl kind must be one of 'k1', 'k2', 'k3'; got {kind!r}")
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:
+    """Per-token KL penalty as a loss term (GRPO's ``β·KL`` in the loss), with its gradient.
+
+    The value is :func:`kl_penalty` of ``d = clamp(log π_θ − log π_ref, ±20)``
+    (:data:`~lppo.algorithms.losses.LOG_RATIO_CLAMP`, so ``exp(−d)`` stays finite), and
+    autograd through it gives each estimator's own gradient on the sampled tokens:
+
+    * ``k1 = d``: ``∇ = ∇log π_θ``, zero in expectation on-policy (the score function): as
+      a loss term it adds variance, not a pull towards π_ref;
+    * ``k2 = d²/2``: ``∇ = d·∇log π_θ``, whose expectation on-policy is the gradient of
+      KL(π_θ ‖ π_ref) (the "unbiased gradient" choice);
+    * ``k3 = exp(−d) − 1 + d``: ``∇ = (1 − π_ref/π_θ)·∇log π_θ``, whose expectation
+      on-policy is the gradient of the *forward* KL(π_ref ‖ π_θ); GRPO's choice (low-variance,
+      non-negative value).
+
+    The tokens are sampled from π_old, not π_θ, and no importance weight is applied (as GRPO,
+    verl and TRL do).
+
+    Args:
+        logprobs: ``float[B, T]`` log π_θ of the sampled tokens (with grad).
+        ref_logprobs: ``float[B, T]`` log π_ref of the same tokens.
+        kind: which estimator.
+
+    Returns:
+        ``float[B, T]``.
+    """
+    d = torch.clamp(logprobs - ref_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return kl_penalty(d, torch.zeros_like(d), kind)

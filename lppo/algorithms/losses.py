@@ -13,7 +13,16 @@ import torch
 
 from lppo.types import Normalizers
 
-LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
+LossAggregation = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+#: Every aggregation mode, in the order the docs list them.
+LOSS_AGGREGATIONS: tuple[str, ...] = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
 
 #: Bound of the policy log-ratio before ``exp`` (as verl and OpenRLHF clamp it): ``e^20`` is
 #: finite, so a token whose probability moved far still gives a finite loss, and a zero
@@ -29,13 +38,16 @@ class PolicyTerms:
         loss: ``float[B, T]`` the loss to minimize.
         clipped: ``bool[B, T]`` where the clipped branch was taken.
         approx_kl: ``float[B, T]`` ``(r − 1) − log r``, a non-negative estimate of KL(π_old‖π).
-        ratio: ``float[B, T]`` ``r = π / π_old``.
+        ratio: ``float[B, T]`` ``r = π / π_old`` (a sequence-level objective: its row's ratio).
+        sequence_level: the objective clips whole sequences (the actor then also reports the
+            fraction of rows with a clipped token).
     """
 
     loss: torch.Tensor
     clipped: torch.Tensor
     approx_kl: torch.Tensor
     ratio: torch.Tensor
+    sequence_level: bool = False
 
 
 def policy_loss(
@@ -135,30 +147,49 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
 
 
 def token_weights(
-    mask: torch.Tensor, normalizers: Normalizers, mode: LossAggregation
+    mask: torch.Tensor,
+    normalizers: Normalizers,
+    mode: LossAggregation,
+    constant: int | None = None,
 ) -> torch.Tensor:
     """Weights ``w`` such that ``Σ w·ℓ`` over a chunk is its exact share of the step's loss.
 
-    * ``token_mean``: ``w = mask / N_tokens`` (global valid tokens of the step);
-    * ``seq_mean_token_mean``: ``w = mask / (n_row · N_rows)`` (per-row token mean, then the
-      mean over the step's valid rows).
+    With ``m`` the mask, ``N_tok`` / ``N_rows`` the step's global valid tokens / rows and
+    ``n_i`` row ``i``'s valid tokens:
 
-    Summing ``Σ w·ℓ`` over every chunk of every rank equals the merged batch's loss exactly.
+    * ``token_mean``: ``w = m / N_tok`` (every token of the step weighs the same; DAPO);
+    * ``seq_mean_token_mean``: ``w = m / (n_i · N_rows)`` (each row's token mean, then the
+      mean over rows; GRPO's paper);
+    * ``seq_mean_token_sum``: ``w = m / N_rows`` (each row's token sum, then the mean over
+      rows: longer rows weigh more);
+    * ``seq_mean_token_sum_norm``: ``w = m / (L · N_rows)`` with the constant ``L`` (Dr. GRPO:
+      the maximum response length), free of any length bias.
+
+    Summing ``Σ w·ℓ`` over every chunk of every rank equals the merged batch's loss exactly,
+    since every denominator is a property of the step (or a constant), never of the chunk.
 
     Args:
         mask: ``bool[B, T]`` valid tokens.
         normalizers: the step's global denominators.
         mode: aggregation mode.
+        constant: ``L`` of ``seq_mean_token_sum_norm``.
 
     Returns:
         ``float64[B, T]``.
     """
     m = mask.to(torch.float64)
+    rows = max(normalizers.valid_rows, 1)
     if mode == "token_mean":
         return m / max(normalizers.valid_tokens, 1)
     if mode == "seq_mean_token_mean":
         per_row = m.sum(dim=-1, keepdim=True).clamp_min(1.0)
-        return m / per_row / max(normalizers.valid_rows, 1)
-    raise ValueError(
-        f"loss aggregation must be 'token_mean' or 'seq_mean_token_mean'; got {mode!r}"
-    )
+        return m / per_row / rows
+    if mode == "seq_mean_token_sum":
+        return m / rows
+    if mode == "seq_mean_token_sum_norm":
+        if constant is None or constant < 1:
+            raise ValueError(
+                f"seq_mean_token_sum_norm needs a constant normalizer >= 1; got {constant!r}"
+            )
+        return m / (float(constant) * rows)
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}; got {mode!r}")

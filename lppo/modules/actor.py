@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lppo.algorithms.losses import entropy_from_logprobs, policy_loss
+from lppo.algorithms.kl import KLKind, kl_loss
+from lppo.algorithms.losses import PolicyTerms, entropy_from_logprobs
+from lppo.algorithms.objectives import ClippedPPO, PolicyObjective
 from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.stats import SumStats
 from lppo.tail import check_trimmable, response_start, trimmed
 from lppo.types import Chunk
-from lppo.validation import check_number
+from lppo.validation import SettingError, check_number
 
 if TYPE_CHECKING:
     from lppo.models import HFCausalLM
@@ -52,10 +54,17 @@ class ActorModule(PPOModule):
     Args:
         model: a Hugging Face causal LM, or an :class:`~lppo.models.HFCausalLM` spec built at
             setup once the tokenizer is known.
-        clip_low: ε_low of the ratio clip.
-        clip_high: ε_high of the ratio clip (``> clip_low`` is "clip-higher").
-        dual_clip: dual-clip constant ``c > 1`` for negative advantages, or ``None``.
+        objective: the per-token policy loss (:mod:`lppo.algorithms.objectives`):
+            ``lppo.algorithms.ClippedPPO`` (``null``: the default, PPO's clipped surrogate with
+            clip-higher and dual clip), ``lppo.algorithms.GSPO`` (sequence-level ratio) or
+            ``lppo.algorithms.CISPO`` (clipped importance weight); each carries its own clip
+            range.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        kl_loss_coef: β of the KL penalty *in the loss*, ``β·KL(π_θ ‖ π_ref)`` per token (GRPO's
+            form; 0: none). Independent of ``model.ppo.kl_coef`` (KL folded into the reward);
+            either one builds the reference policy.
+        kl_loss_kind: estimator of that KL, ``k1``, ``k2`` or ``k3`` (GRPO's; the gradient
+            each gives is in :func:`~lppo.algorithms.kl.kl_loss`).
         off_policy: correction of the engine/trainer mismatch (opt-in truncated or masked
             importance sampling against the engine's sampling log-probabilities; see
             :mod:`lppo.algorithms.off_policy`); its bounds are also those of the
@@ -74,40 +83,32 @@ class ActorModule(PPOModule):
     def __init__(
         self,
         model: HFCausalLM | nn.Module,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        dual_clip: float | None = None,
+        objective: PolicyObjective | None = None,
         entropy_coef: float = 0.0,
+        kl_loss_coef: float = 0.0,
+        kl_loss_kind: KLKind = "k3",
         off_policy: OffPolicyCorrection = OffPolicyCorrection(),
         trim_prompt: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         key = self.config_key
-        check_number(
-            f"{key}.clip_low",
-            clip_low,
-            low=0,
-            high=1,
-            high_open=True,
-            fix="The ratio is clipped to [1 - clip_low, 1 + clip_high]; typical: 0.2.",
-        )
-        check_number(f"{key}.clip_high", clip_high, low=0, fix="Typical: 0.2 to 0.28.")
-        check_number(
-            f"{key}.dual_clip",
-            dual_clip,
-            low=1,
-            low_open=True,
-            optional=True,
-            fix="Dual clip bounds negative-advantage ratios; typical: 3.",
-        )
         check_number(f"{key}.entropy_coef", entropy_coef, low=0)
+        check_number(f"{key}.kl_loss_coef", kl_loss_coef, low=0, fix="0: no KL in the loss.")
+        if kl_loss_kind not in ("k1", "k2", "k3"):
+            raise SettingError(f"{key}.kl_loss_kind={kl_loss_kind!r}; use 'k1', 'k2' or 'k3'.")
+        objective = objective if objective is not None else ClippedPPO()
+        if not callable(objective):
+            raise SettingError(
+                f"{key}.objective={objective!r} is not a policy objective; use a class_path "
+                "such as lppo.algorithms.ClippedPPO, lppo.algorithms.GSPO or lppo.algorithms.CISPO."
+            )
         if not isinstance(model, nn.Module):  # a spec, built in configure_model
             model.validate(f"{key}.model.init_args")
-        self.clip_low = clip_low
-        self.clip_high = clip_high
-        self.dual_clip = dual_clip
+        self.objective = objective
         self.entropy_coef = entropy_coef
+        self.kl_loss_coef = kl_loss_coef
+        self.kl_loss_kind: KLKind = kl_loss_kind
         self.off_policy = off_policy
         self.trim_prompt = trim_prompt
         self.temperature = 1.0
@@ -185,34 +186,63 @@ class ActorModule(PPOModule):
         return torch.where(chunk.response_mask, logprobs, torch.zeros_like(logprobs))
 
     def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
-        """Clipped policy loss minus the entropy bonus, per token; records diagnostics."""
+        """Policy loss (``objective``), minus the entropy bonus, plus ``β·KL``, per token.
+
+        Records the diagnostics :meth:`metrics` reports.
+        """
         if chunk.old_logprobs is None or chunk.advantages is None:
             raise ValueError("actor chunks need old_logprobs and advantages columns.")
         logprobs, entropy = self.token_logprobs(chunk, with_entropy=True)
         assert entropy is not None
-        terms = policy_loss(
+        mask = chunk.response_mask
+        terms = self.objective(
             logprobs,
             chunk.old_logprobs.to(logprobs.dtype),
             chunk.advantages.to(logprobs.dtype),
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
+            mask,
         )
-        mask = chunk.response_mask
         loss = terms.loss
         if self.off_policy.enabled:
             loss = loss * self._importance_weights(chunk, logprobs, sums)
         policy = loss
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy
+        if self.kl_loss_coef != 0.0:
+            loss = loss + self.kl_loss_coef * self._kl_term(chunk, logprobs, sums)
         sums.add("policy_loss_sum", (policy.detach() * mask).sum())
-        sums.add("clipped", (terms.clipped & mask).sum())
-        sums.add("approx_kl_sum", (terms.approx_kl * mask).sum())
         sums.add("entropy_sum", (entropy.detach() * mask).sum())
-        sums.add("ratio_sum", (terms.ratio.detach() * mask).sum())
-        sums.update_max("ratio_max", terms.ratio.detach()[mask])
-        sums.update_min("ratio_min", terms.ratio.detach()[mask])
+        self._record_ratio(terms, mask, sums)
         return loss
+
+    @staticmethod
+    def _record_ratio(terms: PolicyTerms, mask: torch.Tensor, sums: SumStats) -> None:
+        """Clip counts (per token, and per row for a sequence-level objective) and the ratio."""
+        sums.add("clipped", (terms.clipped & mask).sum())
+        if terms.sequence_level:
+            rows = mask.any(dim=-1)
+            sums.add("clipped_rows", ((terms.clipped & mask).any(dim=-1) & rows).sum())
+            sums.add("valid_rows", rows.sum())
+        sums.add("approx_kl_sum", (terms.approx_kl * mask).sum())
+        ratio = terms.ratio.detach()
+        sums.add("ratio_sum", (ratio * mask).sum())
+        sums.update_max("ratio_max", ratio[mask])
+        sums.update_min("ratio_min", ratio[mask])
+
+    def _kl_term(self, chunk: Chunk, logprobs: torch.Tensor, sums: SumStats) -> torch.Tensor:
+        """Per-token ``KL(π_θ ‖ π_ref)`` estimate of the chunk (with grad; see ``kl_loss_kind``)."""
+        if chunk.ref_logprobs is None:
+            raise ValueError(
+                f"{self.config_key}.kl_loss_coef={self.kl_loss_coef} but the chunk has no "
+                "ref_logprobs column; the controller reads it when kl_loss_coef > 0."
+            )
+        kl = kl_loss(logprobs, chunk.ref_logprobs.to(logprobs.dtype), self.kl_loss_kind)
+        sums.add("kl_loss_sum", (kl.detach() * chunk.response_mask).sum())
+        return kl
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads reference log-probabilities (``kl_loss_coef > 0``)."""
+        return self.kl_loss_coef > 0
 
     def _importance_weights(
         self, chunk: Chunk, logprobs: torch.Tensor, sums: SumStats
@@ -234,7 +264,12 @@ class ActorModule(PPOModule):
         return iw.weight
 
     def metrics(self, sums: SumStats) -> dict[str, float]:
-        """Token means of the policy loss, clip fraction, approx KL, entropy and ratio."""
+        """Token means of the policy loss, clip fraction, approx KL, entropy and ratio.
+
+        Also, when they apply: ``seq_clip_fraction`` (rows with a clipped token over valid rows,
+        for a sequence-level objective), ``kl_loss`` (the token mean of the KL in the loss),
+        ``is_weight_mean`` and ``is_outside_fraction`` (the off-policy correction).
+        """
         n = max(sums.get("valid_tokens"), 1.0)
         extra = {}
         if self.off_policy.enabled:
@@ -242,6 +277,10 @@ class ActorModule(PPOModule):
                 "is_weight_mean": sums.get("is_weight_sum") / n,
                 "is_outside_fraction": sums.get("is_outside") / n,
             }
+        if "clipped_rows" in sums.sums:
+            extra["seq_clip_fraction"] = sums.get("clipped_rows") / max(sums.get("valid_rows"), 1)
+        if "kl_loss_sum" in sums.sums:
+            extra["kl_loss"] = sums.get("kl_loss_sum") / n
         return {
             **extra,
             "policy_loss": sums.get("policy_loss_sum") / n,

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from lppo.algorithms.losses import LossAggregation, token_weights
+from lppo.algorithms.losses import LOSS_AGGREGATIONS, LossAggregation, token_weights
 from lppo.init_args import RecordsInitArgs
 from lppo.modules.snapshot import TrainingState, parameters_finite
 from lppo.parallel import ParallelContext
@@ -67,6 +67,10 @@ class PPOModule(RecordsInitArgs, nn.Module):
             controller; single-process by default).
         weights_version: increases whenever the parameters change (a step taken, a state
             loaded); rollout engines holding a copy of the weights compare against it.
+        max_response_tokens: the constant ``L`` of ``loss_aggregation:
+            seq_mean_token_sum_norm``. Not an init argument: :class:`~lppo.system.PPOSystem`
+            sets it from ``model.rollout.max_new_tokens`` (the one source of the response
+            length), so the two can never disagree.
 
     Args:
         lr: learning rate of the default AdamW optimizer.
@@ -75,8 +79,12 @@ class PPOModule(RecordsInitArgs, nn.Module):
         eps: AdamW epsilon.
         max_grad_norm: clip the total grad norm to this (``None``: no clipping; the norm is
             still computed and checked for non-finite values).
-        loss_aggregation: ``token_mean`` (mean over the step's valid tokens) or
-            ``seq_mean_token_mean`` (token mean per row, then mean over rows).
+        loss_aggregation: how per-token losses make the step's loss
+            (:func:`~lppo.algorithms.losses.token_weights`): ``token_mean`` (mean over the
+            step's valid tokens), ``seq_mean_token_mean`` (token mean per row, then mean over
+            rows), ``seq_mean_token_sum`` (token sum per row, mean over rows) or
+            ``seq_mean_token_sum_norm`` (token sum per row over ``model.rollout.max_new_tokens``,
+            mean over rows: Dr. GRPO). Each is exact under any chunking and data-parallel size.
         warmup_steps: linear learning-rate warmup over this many optimizer steps.
         rollback_non_finite: after every optimizer step, check the parameters; when one is
             not finite, undo the step (parameters, optimizer and scheduler as before it) and
@@ -115,10 +123,10 @@ class PPOModule(RecordsInitArgs, nn.Module):
         check_number(f"{key}.eps", eps, low=0, low_open=True, fix="Typical: 1e-8.")
         check_number(f"{key}.max_grad_norm", max_grad_norm, low=0, low_open=True, optional=True)
         check_number(f"{key}.warmup_steps", warmup_steps, integer=True, low=0)
-        if loss_aggregation not in ("token_mean", "seq_mean_token_mean"):
+        if loss_aggregation not in LOSS_AGGREGATIONS:
             raise SettingError(
-                f"{key}.loss_aggregation={loss_aggregation!r}; use 'token_mean' or "
-                "'seq_mean_token_mean'."
+                f"{key}.loss_aggregation={loss_aggregation!r}; use one of "
+                f"{', '.join(repr(m) for m in LOSS_AGGREGATIONS)}."
             )
         self.lr = lr
         self.weight_decay = weight_decay
@@ -141,6 +149,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
         self.forward_count = 0
         self.parallel = ParallelContext()
         self.weights_version = 0
+        self.max_response_tokens: int | None = None
         self.register_load_state_dict_post_hook(_bump_weights_version)
 
     @property
@@ -212,6 +221,12 @@ class PPOModule(RecordsInitArgs, nn.Module):
             )
         if plan.normalizers.valid_tokens < 1:
             raise ValueError(f"{self.role}.begin(): the step plan has no valid token.")
+        if self.loss_aggregation == "seq_mean_token_sum_norm" and not self.max_response_tokens:
+            raise ValueError(
+                f"{self.config_key}.loss_aggregation=seq_mean_token_sum_norm needs "
+                f"{self.role}.max_response_tokens (PPOSystem sets it from "
+                "model.rollout.max_new_tokens); set it when using the module on its own."
+            )
         self.configure_optimizer()
         self.train()
         self._zero_grad()
@@ -238,7 +253,9 @@ class PPOModule(RecordsInitArgs, nn.Module):
         chunk = chunk.to(self.device)
         self.forward_count += 1
         per_token = self.chunk_loss(chunk, self._sums)
-        weights = token_weights(chunk.response_mask, plan.normalizers, self.loss_aggregation)
+        weights = token_weights(
+            chunk.response_mask, plan.normalizers, self.loss_aggregation, self.max_response_tokens
+        )
         loss = (per_token.to(torch.float64) * weights).sum()
         loss.backward()
         value = float(loss.detach())

@@ -28,16 +28,39 @@ so putting 16k short rows does not hold tens of thousands of small tensors at th
 
 @dataclass(frozen=True)
 class RowRules:
-    """Which rows become invalid when they are put (``PPOConfig.row_rules()`` gives them).
+    """What happens to rows when they are put (``PPOConfig.row_rules()`` gives the rules).
 
     Attributes:
         max_abs_reward: rewards with a larger magnitude (like non-finite ones) make their row
             invalid (``None``: only non-finite rewards do).
         mask_truncated: rows cut at ``max_new_tokens`` become invalid (overlong filtering).
+        overlong_buffer: DAPO's soft overlong punishment: the last ``overlong_buffer``
+            tokens before ``max_new_tokens`` cost reward linearly (0: off; see
+            :func:`overlong_penalty`).
+        overlong_penalty: the penalty at ``max_new_tokens`` (DAPO: 1).
+        max_new_tokens: ``L_max`` of the punishment (``model.rollout.max_new_tokens``).
     """
 
     max_abs_reward: float | None = None
     mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    max_new_tokens: int = 0
+
+
+def overlong_penalty(length: int, rules: RowRules) -> float:
+    """DAPO's soft overlong punishment of a response of ``length`` tokens (added to its reward).
+
+    With ``L_max`` = ``rules.max_new_tokens``, ``B`` = ``rules.overlong_buffer`` and ``c`` =
+    ``rules.overlong_penalty``: ``0`` for ``length ≤ L_max − B``, else
+    ``c · (L_max − B − length) / B`` (down to ``−c`` at ``L_max``; a response never exceeds
+    it). ``B = 0``: always 0.
+    """
+    buffer = rules.overlong_buffer
+    if buffer <= 0:
+        return 0.0
+    excess = length - (rules.max_new_tokens - buffer)
+    return -rules.overlong_penalty * max(excess, 0) / buffer
 
 
 @dataclass
@@ -69,8 +92,10 @@ def mark_invalid(columns: dict[str, list[torch.Tensor]], rules: RowRules) -> int
 
     A bad reward (non-finite, or ``|r| > rules.max_abs_reward``) becomes 0 and its row's
     ``response_mask`` all ``False``; with ``rules.mask_truncated`` a truncated row's mask is
-    zeroed too. The ``"truncated"`` column is removed (it only serves this marking). Only list
-    entries are replaced: the tensors the lists held are not modified.
+    zeroed too. A good reward gets the :func:`overlong_penalty` of its response length (the
+    bound applies to the task's reward, before the penalty). The ``"truncated"`` column is
+    removed (it only serves this marking). Only list entries are replaced: the tensors the
+    lists held are not modified.
 
     Returns:
         The number of bad rewards.
@@ -88,6 +113,9 @@ def mark_invalid(columns: dict[str, list[torch.Tensor]], rules: RowRules) -> int
             masks[i] = torch.zeros_like(masks[i])
         if bad_reward:
             rewards[i] = torch.zeros_like(reward)
+        elif rules.overlong_buffer > 0:
+            penalty = overlong_penalty(int(masks[i].sum()), rules)
+            rewards[i] = reward + torch.tensor(penalty, dtype=reward.dtype)
     return bad_rewards
 
 

@@ -23,7 +23,10 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 from _builders import filled_store, random_rows, tiny_backbone, tiny_lm  # noqa: E402
+from _objective_sweep import NAMES as SWEEP_NAMES  # noqa: E402
+from _objective_sweep import combos, sweep_store  # noqa: E402
 
+from lppo.algorithms import ClippedPPO  # noqa: E402
 from lppo.chunks import iter_chunks  # noqa: E402
 from lppo.data_settings import DataSettings  # noqa: E402
 from lppo.modules import ActorModule, CriticModule  # noqa: E402
@@ -82,7 +85,11 @@ def build_module(role: str):
 
     if role == "actor":
         module = Actor(
-            tiny_lm(seed=0), clip_high=0.28, entropy_coef=0.01, max_grad_norm=None, optimizer=sgd
+            tiny_lm(seed=0),
+            objective=ClippedPPO(clip_high=0.28),
+            entropy_coef=0.01,
+            max_grad_norm=None,
+            optimizer=sgd,
         )
         names = [OLD_LOGPROBS, ADVANTAGES]
     elif role == "critic":
@@ -117,13 +124,41 @@ def run_step(role: str, world_size: int, rank: int) -> dict:
     }
 
 
+def run_sweep(world_size: int, rank: int) -> dict:
+    """One SGD step per point of the objective sweep on this rank's chunks.
+
+    Every objective × aggregation × KL in the loss × off-policy correction
+    (``tests/_objective_sweep.py``), on 9 rows of one row per chunk (uneven over 2 ranks).
+
+    Returns:
+        ``{repr(combo): {"stats", "metrics", "after"}}``.
+    """
+    store = sweep_store(n_prompts=3, seed=DATA_SEED, invalid=0)
+    budget = max(len(t) for t in store.read(list(range(len(store))), ["input_ids"])["input_ids"])
+    planner = ChunkPlanner(DataSettings(budget, seed=PLAN_SEED), world_size=world_size, rank=rank)
+    [step] = planner.plan(store.meta(), epoch=0, minibatches=1).steps
+    parallel = ParallelContext.from_default_group()
+    model = tiny_lm(seed=0)
+    results = {}
+    for combo in combos():
+        actor = combo.actor(model, optimizer=lambda params: torch.optim.SGD(params, lr=SGD_LR))
+        actor.parallel = parallel
+        actor.begin(step)
+        for chunk in iter_chunks(store, step, SWEEP_NAMES):
+            actor.train_chunk(chunk)
+        fields = dataclasses.asdict(actor.finish())
+        after = {n: p.detach().clone() for n, p in actor.named_parameters()}
+        results[repr(combo)] = {"metrics": fields.pop("metrics"), "stats": fields, "after": after}
+    return {"combos": results, "chunks": step.chunks}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--init-file", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--role", choices=("actor", "critic"), required=True)
+    parser.add_argument("--role", choices=("actor", "critic", "sweep"), required=True)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -134,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
         world_size=args.world_size,
     )
     try:
-        result = run_step(args.role, args.world_size, args.rank)
+        if args.role == "sweep":
+            result = run_sweep(args.world_size, args.rank)
+        else:
+            result = run_step(args.role, args.world_size, args.rank)
         torch.distributed.barrier()
         if args.rank == 0:
             torch.save(result, args.out)

@@ -134,3 +134,21 @@ def test_two_ranks_match_one_process(role, tmp_path):
         assert_tensors_close(got_grad, want_grad, f"grad {name}")
         moved += int(want_grad.abs().max().item() > 0)
     assert moved > len(single["after"]) // 2
+
+
+def test_two_ranks_match_one_process_for_every_objective(tmp_path):
+    """The objective sweep (every objective × aggregation × KL in the loss × off-policy
+    correction) on 2 gloo ranks equals one process: metrics, grad norm, parameters."""
+    dp = launch("sweep", tmp_path)
+    single = worker.run_sweep(world_size=1, rank=0)
+    assert dp["combos"].keys() == single["combos"].keys() and len(single["combos"]) == 96
+    assert 0 < len([c for c in dp["chunks"] if c]) < len(single["chunks"])
+    for combo, want in single["combos"].items():
+        got = dp["combos"][combo]
+        assert got["stats"]["stepped"] and want["stats"]["stepped"], combo
+        assert rel_close(got["stats"]["grad_norm"], want["stats"]["grad_norm"]), combo
+        assert got["metrics"].keys() == want["metrics"].keys(), combo
+        for key, value in want["metrics"].items():
+            assert rel_close(got["metrics"][key], value), (combo, key)
+        for name, param in want["after"].items():
+            assert_tensors_close(got["after"][name], param, f"{combo} {name}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from _builders import filled_store, random_rows, tiny_backbone, tiny_lm
 
+from lppo.algorithms import ClippedPPO
 from lppo.chunks import iter_chunks, padding_chunk, read_chunk
 from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, CriticModule, StepStateError
@@ -474,10 +475,9 @@ def test_custom_scheduler_factory_ticks_once_per_real_step(role):
         ("actor", {"max_grad_norm": 0.0}, "actor.max_grad_norm"),
         ("actor", {"loss_aggregation": "mean"}, "actor.loss_aggregation"),
         ("actor", {"warmup_steps": -1}, "actor.warmup_steps"),
-        ("actor", {"dual_clip": 1.0}, "actor.dual_clip"),
-        ("actor", {"dual_clip": 0.5}, "actor.dual_clip"),
-        ("actor", {"clip_low": -0.1}, "actor.clip_low"),
-        ("actor", {"clip_high": -0.1}, "clip_high"),
+        ("actor", {"entropy_coef": -0.1}, "actor.entropy_coef"),
+        ("actor", {"kl_loss_coef": -0.1}, "actor.kl_loss_coef"),
+        ("actor", {"kl_loss_kind": "k4"}, "actor.kl_loss_kind"),
         ("critic", {"lr": 0.0}, "critic.lr"),
         ("critic", {"max_grad_norm": -1.0}, "critic.max_grad_norm"),
         ("critic", {"loss_aggregation": "sum"}, "critic.loss_aggregation"),
@@ -495,7 +495,7 @@ def test_bad_constructor_args_name_the_key(role, kwargs, key):
 
 @pytest.mark.parametrize("role", ROLES)
 def test_valid_edge_constructor_args(role):
-    extra = {"dual_clip": None} if role == "actor" else {"value_clip": None}
+    extra = {"objective": ClippedPPO(dual_clip=None)} if role == "actor" else {"value_clip": None}
     module = make(role, max_grad_norm=None, warmup_steps=0, **extra)
     store, epoch = setup(n=3)
     assert run_step(module, store, epoch.steps[0], role).stepped

@@ -10,7 +10,7 @@ from _builders import filled_store, random_rows, tiny_lm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lppo.algorithms import OffPolicyCorrection, importance_weights, policy_loss
+from lppo.algorithms import ClippedPPO, OffPolicyCorrection, importance_weights, policy_loss
 from lppo.chunks import iter_chunks, read_chunk
 from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, shifted_logprobs
@@ -49,7 +49,9 @@ def test_behaviour_equal_to_old_is_plain_ppo_bitwise(mode):
     cols = rows_with_behaviour(6, seed=3, noise=0.0)
     store = filled_store(cols)
     step = ChunkPlanner(DataSettings(20, seed=0)).plan(store.meta(), epoch=0).steps[0]
-    plain = CapturingActor(tiny_lm(), lr=1e-3, max_grad_norm=None, clip_high=0.28)
+    plain = CapturingActor(
+        tiny_lm(), lr=1e-3, max_grad_norm=None, objective=ClippedPPO(clip_high=0.28)
+    )
     corrected = copy.deepcopy(plain)
     corrected.off_policy = OffPolicyCorrection(mode, cap=1.5, floor=0.9)
     want, want_grads = one_step(plain, store, step)
@@ -69,7 +71,13 @@ def merged_reference(actor: ActorModule, store, rows):
     model = copy.deepcopy(actor.model)
     out = model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
     lp, _ = shifted_logprobs(out.logits / actor.temperature, chunk.input_ids)
-    terms = policy_loss(lp, chunk.old_logprobs, chunk.advantages, actor.clip_low, actor.clip_high)
+    terms = policy_loss(
+        lp,
+        chunk.old_logprobs,
+        chunk.advantages,
+        actor.objective.clip_low,
+        actor.objective.clip_high,
+    )
     iw = importance_weights(chunk.old_logprobs, chunk.gen_logprobs, actor.off_policy)
     m = chunk.response_mask
     loss = (terms.loss * iw.weight)[m].mean()

@@ -10,7 +10,7 @@ from _builders import filled_store, random_rows, tiny_backbone, tiny_lm
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.algorithms import policy_loss, value_loss
+from lppo.algorithms import ClippedPPO, policy_loss, value_loss
 from lppo.chunks import iter_chunks, read_chunk
 from lppo.data_settings import DataSettings
 from lppo.modules import ActorModule, CriticModule, shifted_logprobs
@@ -68,7 +68,12 @@ def merged_actor_reference(actor: ActorModule, store, rows):
     logits = out.logits / actor.temperature
     lp, logp = shifted_logprobs(logits, chunk.input_ids)
     terms = policy_loss(
-        lp, chunk.old_logprobs, chunk.advantages, actor.clip_low, actor.clip_high, actor.dual_clip
+        lp,
+        chunk.old_logprobs,
+        chunk.advantages,
+        actor.objective.clip_low,
+        actor.objective.clip_high,
+        actor.objective.dual_clip,
     )
     entropy = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
     m = chunk.response_mask
@@ -111,7 +116,8 @@ def test_actor_streamed_equals_merged(
     epoch = planner.plan(store.meta(), epoch=0)
     assert len(epoch.invalid_rows) == invalid
 
-    kwargs = dict(clip_high=clip_high, dual_clip=dual_clip, entropy_coef=entropy_coef)
+    objective = ClippedPPO(clip_high=clip_high, dual_clip=dual_clip)
+    kwargs = dict(objective=objective, entropy_coef=entropy_coef)
     actor = CapturingActor(tiny_lm(), lr=1e-3, max_grad_norm=None, **kwargs)
     want_diag, want_grads, want_norm = merged_actor_reference(actor, store, epoch.valid_rows)
 

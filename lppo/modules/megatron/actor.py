@@ -25,10 +25,9 @@ class MegatronActor(MegatronLifecycle, ActorModule):
 
     Args:
         model: the megatron model spec.
-        **kwargs: the :class:`~lppo.modules.ActorModule` arguments (``clip_low``,
-            ``clip_high``, ``dual_clip``, ``entropy_coef``, ``lr``, ``weight_decay``,
-            ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``, ``warmup_steps``,
-            ``optimizer``, ``lr_scheduler``).
+        **kwargs: the :class:`~lppo.modules.ActorModule` arguments (``objective``,
+            ``entropy_coef``, ``lr``, ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``,
+            ``loss_aggregation``, ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
     """
 
     def __init__(self, model: MegatronGPT, **kwargs: Any) -> None:
@@ -51,7 +50,8 @@ class MegatronActor(MegatronLifecycle, ActorModule):
         # do not copy. Say so at setup instead of failing deep inside copy.
         raise TypeError(
             "MegatronActor cannot be copied as a reference policy: set model.ppo.kl_coef: 0 "
-            "with the megatron backend (a megatron reference model is not implemented)."
+            "and model.actor.init_args.kl_loss_coef: 0 with the megatron backend (a megatron "
+            "reference model is not implemented)."
         )
 
     @property
