@@ -36,6 +36,36 @@ def test_config_learns(tmp_path, config):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("config", "gain"), [("gspo.yaml", 0.3), ("dapo.yaml", 0.15)])
+def test_objective_config_learns(tmp_path, config, gain):
+    """configs/gspo.yaml and configs/dapo.yaml learn the default task (seed 0, measured
+    2026-12-03: GSPO 0.21 -> 0.84, DAPO 0.21 -> 0.49 of the task's reward; DAPO's overlong
+    punishment is not in that reward)."""
+    run(["fit", "--config", str(ROOT / "configs" / config), "--trainer.default_root_dir",
+         str(tmp_path)])  # fmt: skip
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 80
+    assert summary["reward_last_mean"] > summary["reward_first_mean"] + gain, summary
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    clip = "actor/seq_clip_fraction" if config == "gspo.yaml" else "actor/clip_fraction"
+    assert max(float(r[clip]) for r in rows if r.get(clip)) > 0  # the clip is reached
+
+
+def test_kl_in_the_loss_through_the_cli(tmp_path):
+    """``kl_loss_coef`` alone builds the reference and logs ``actor/kl_loss``; KL in the reward
+    and in the loss run together."""
+    args = ["--trainer.max_epochs", "2", "--model.rollout.prompts_per_iteration", "4",
+            "--model.actor.init_args.kl_loss_coef", "0.05", "--model.ppo.kl_coef", "0.01",
+            "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    run(["fit", "--config", str(ROOT / "configs" / "grpo.yaml"), *args])
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    kl = [float(r["actor/kl_loss"]) for r in rows if r.get("actor/kl_loss")]
+    assert kl and all(v >= 0 for v in kl) and max(kl) > 0  # k3 is non-negative, and moves
+
+
+@pytest.mark.slow
 def test_default_config_learns_with_stale_rollouts(tmp_path):
     """``--model.rollout.max_staleness 1``: every row one policy version old, generated in the
     background process while the previous iteration trains, still learns the copy task."""
@@ -54,8 +84,10 @@ def test_every_config_is_exercised():
     """A new config under configs/ must get a test here."""
     names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert names == [
+        "dapo.yaml",
         "dataset.yaml",
         "grpo.yaml",
+        "gspo.yaml",
         "megatron.yaml",
         "ray_workers.yaml",
         "tiny.yaml",

@@ -66,3 +66,26 @@ def test_a_put_failing_part_way_leaves_no_row(monkeypatch: pytest.MonkeyPatch) -
         rr.put_rollout(store, ids, _rollout(11), rr.RowRules())
     assert store.puts == 3  # two slices were in before the third failed
     assert len(store) == 0 and store.nbytes() == 0
+
+
+def test_overlong_punishment_shapes_good_rewards_in_the_store() -> None:
+    """The stored reward is the task's plus DAPO's penalty of the row's response length; a bad
+    reward stays a zeroed, invalid row; the reported rewards are the task's own."""
+    rollout = _rollout(9)
+    longest = max(int(m.sum()) for m in rollout.response_mask)
+    rules = rr.RowRules(overlong_buffer=4, overlong_penalty=0.5, max_new_tokens=longest)
+    store = MemoryReplayStore()
+    got = rr.put_rollout(store, store.allocate(9), rollout, rules)
+    stored = store.read(got.row_ids, [REWARD])[REWARD]
+    penalized = 0
+    pairs = zip(rollout.response_mask, rollout.reward, strict=True)
+    for i, (mask, task_reward) in enumerate(pairs):
+        if not torch.isfinite(task_reward):
+            assert float(stored[i]) == 0.0
+            continue
+        length = int(mask.sum())
+        penalty = -0.5 * max(length - (longest - 4), 0) / 4
+        penalized += penalty < 0
+        assert float(stored[i]) == pytest.approx(float(task_reward) + penalty, abs=1e-6)
+    assert penalized > 0
+    assert torch.allclose(got.reward, rollout.reward, rtol=0, atol=0, equal_nan=True)
