@@ -214,6 +214,10 @@ class PPOController:
         rows = self.data.layout(ctx.row_ids, group)
         dropped = int(stats.dropped_rows)  # every rank's
         clock = _lap(seconds, "collect", clock)
+        if not rows.meta.ids and rollout.sampling is not None:
+            # Dynamic sampling dropped every group (all rewards equal): nothing to learn from.
+            empty = IterationResult(ctx.iteration, stats, [], seconds, tokens, {})
+            return self._release(ctx, empty, generation)
 
         # 2. score (each rank its own valid rows; no collective, so chunk counts may differ)
         ctx.phase = "score"
@@ -236,7 +240,10 @@ class PPOController:
             phases.append(("critic", self.critic, cfg.critic_epochs, cfg.critic_minibatches))
         if ctx.iteration >= cfg.critic_warmup_iterations:
             phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
+        valid_rows = sum(1 for n in rows.meta.valid_tokens if n > 0)
         for phase, module, epochs, minibatches in phases:
+            if rollout.sampling is not None:  # dynamic sampling: train on what there is
+                minibatches = min(minibatches, max(valid_rows, 1))
             first = len(ctx.step_stats)
             first_epoch = targets if phase == "critic" else None
             padding[phase] = self._train_phase(
@@ -246,10 +253,17 @@ class PPOController:
             tokens[phase] = sum(s.tokens for s in ctx.step_stats[first:])
 
         # 6. release: RowRetention releases the rows in on_iteration_end
+        return self._release(
+            ctx, IterationResult(ctx.iteration, stats, [], seconds, tokens, padding), generation
+        )
+
+    def _release(
+        self, ctx: IterationContext, result: IterationResult, generation: GenerationReport
+    ) -> IterationResult:
+        """Close the iteration: its steps and timing into ``result``, rows released by hooks."""
         ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = "release", -1, -1, -1
         ctx.module = ctx.plan = None
-        steps = list(ctx.step_stats)
-        result = IterationResult(ctx.iteration, stats, steps, seconds, tokens, padding)
+        result.steps = list(ctx.step_stats)
         result.generation = generation.timing()
         self._emit("on_iteration_end", ctx, result)
         if not ctx.rows_released:

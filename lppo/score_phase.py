@@ -32,6 +32,7 @@ from lppo.types import (
     TASK_REWARD,
     VALUES,
     RolloutStats,
+    SamplingReport,
     StepPlan,
 )
 
@@ -62,6 +63,10 @@ def rollout_stats(rows: StoredRollout, group: ProcessGroup) -> tuple[RolloutStat
         dropped_rows=dropped_all,
         bad_rewards=bad_all,
     )
+    if rows.sampling is not None:  # dynamic sampling is on (on every rank)
+        counts = torch.tensor(rows.sampling.counts(), dtype=torch.float64)
+        total = SamplingReport(*group.all_reduce(counts).tolist())
+        stats.update(total.metrics())
     return stats, round(tokens)
 
 

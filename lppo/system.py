@@ -184,6 +184,12 @@ class PPOSystem(LightningModule):
             minibatches=max(self.ppo.actor_minibatches, self.ppo.critic_minibatches),
             group=parallel.data,
         )
+        if r.dynamic_sampling_rounds and data.settings.fixed_rows_per_rank:
+            raise SettingError(
+                f"model.rollout.dynamic_sampling_rounds={r.dynamic_sampling_rounds} with "
+                "data.fixed_rows_per_rank=true: dynamic sampling keeps a varying number of rows "
+                "per rank; set one of them off."
+            )
         self.controller = PPOController(
             self.actor,
             self.critic,

@@ -9,6 +9,8 @@ from lppo.controller import PPOController
 from lppo.replay import MemoryReplayStore
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.rollout.source import put_samples
+from lppo.tasks import CopyTask
+from lppo.tasks.base import Prompt
 from lppo.types import (
     ADVANTAGES,
     INPUT_IDS,
@@ -103,3 +105,17 @@ def stored(controller: PPOController, rollout: Rollout, iteration: int = 0) -> S
     longest = max((int(m.sum()) for m in rollout.response_mask), default=0)
     rules = controller.config.row_rules(longest)
     return put_samples(controller.data.store, rollout, rules, iteration)
+
+
+class ThresholdCopyTask(CopyTask):
+    """The copy task with a pass/fail reward: 1 when the copy reward reaches ``threshold``.
+
+    Groups whose samples all pass or all fail are common, which dynamic sampling drops.
+    """
+
+    def __init__(self, threshold: float = 0.5, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.threshold = threshold
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return float(super().reward(prompt, completion) >= self.threshold)

@@ -1,7 +1,9 @@
 """A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
-[--tq-temp-dir DIR] [--old-values critic]``; with ``--tq-temp-dir`` the replay is one
+[--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]``
+(with ``N > 0`` the task's reward is pass/fail, :class:`_builders.ThresholdCopyTask`, so groups
+are dropped and refilled); with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
 the partition at the end (``tq``: partition, keys left, live rows, claims, released ids).
@@ -27,6 +29,7 @@ from typing import Any
 
 import psutil
 import torch
+from _builders import ThresholdCopyTask
 
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
@@ -144,19 +147,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tq-temp-dir", default=None)
     parser.add_argument("--old-values", default="score")
     parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     system = PerturbedOnOtherRanks(
         actor=ActorModule(spec(0, args.dtype), lr=3e-3),
         critic=CriticModule(spec(1, args.dtype), lr=3e-3),
-        task=CopyTask(),
+        task=ThresholdCopyTask(0.5) if args.dynamic_sampling_rounds else CopyTask(),
         rollout=RolloutSettings(
             prompts_per_iteration=PROMPTS,
             samples_per_prompt=3,
             max_new_tokens=4,
             prompts_per_block=1,
             max_staleness=args.max_staleness,
+            dynamic_sampling_rounds=args.dynamic_sampling_rounds,
         ),
         ppo=PPOConfig(
             critic_epochs=2,

@@ -36,18 +36,26 @@ def test_config_learns(tmp_path, config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "gain"), [("gspo.yaml", 0.3), ("dapo.yaml", 0.15)])
-def test_objective_config_learns(tmp_path, config, gain):
+@pytest.mark.parametrize("config", ["gspo.yaml", "dapo.yaml"])
+def test_objective_config_learns(tmp_path, config):
     """configs/gspo.yaml and configs/dapo.yaml learn the default task (seed 0, measured
-    2026-12-03: GSPO 0.21 -> 0.84, DAPO 0.21 -> 0.49 of the task's reward; DAPO's overlong
-    punishment is not in that reward)."""
+    2026-12-03: GSPO 0.21 -> 0.84, DAPO 0.21 -> 0.73 of the task's reward over every
+    first-round sample, ``rollout/sampled_reward_mean``; the overlong punishment is not in it)."""
     run(["fit", "--config", str(ROOT / "configs" / config), "--trainer.default_root_dir",
          str(tmp_path)])  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 80
-    assert summary["reward_last_mean"] > summary["reward_first_mean"] + gain, summary
     with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
         rows = list(csv.DictReader(f))
+    key = "rollout/sampled_reward_mean" if config == "dapo.yaml" else "rollout/reward_mean"
+    reward = [float(r[key]) for r in rows if r.get(key)]
+    assert len(reward) == 80
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.3, reward
+    if config == "dapo.yaml":
+        assert (
+            sum(float(r["rollout/uniform_groups"]) for r in rows if r.get("rollout/uniform_groups"))
+            > 0
+        )
     clip = "actor/seq_clip_fraction" if config == "gspo.yaml" else "actor/clip_fraction"
     assert max(float(r[clip]) for r in rows if r.get(clip)) > 0  # the clip is reached
 

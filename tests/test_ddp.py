@@ -293,6 +293,33 @@ def test_two_processes_train_like_one(dtype, staleness, tmp_path):
         assert compared[key] >= 4, compared
 
 
+@pytest.mark.distributed
+def test_two_processes_with_dynamic_sampling_keep_one_process_groups(tmp_path):
+    """Each prompt block refills itself, so the ranks' kept groups are the single process's
+    (refill prompts included) and the run trains like one process (float64)."""
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    single.mkdir()
+    dp.mkdir()
+    extra = ["--dtype=float64", "--dynamic-sampling-rounds=2"]
+    jobs = [
+        [str(WORKER), "--devices=2", f"--out={dp}", *extra],
+        [str(WORKER), "--devices=1", f"--out={single}", *extra],
+    ]
+    finish_all([start(args, tmp_path) for args in jobs], jobs)
+    one = json.loads((single / "rank0.json").read_text())
+    ranks = [json.loads((dp / f"rank{r}.json").read_text()) for r in range(2)]
+    kept = [one["rollouts"][it]["prompts"] for it in range(2)]
+    for it in range(2):
+        assert ranks[0]["rollouts"][it]["prompts"] + ranks[1]["rollouts"][it]["prompts"] == kept[it]
+    assert any(p >= 5 for prompts in kept for p in prompts), kept  # a refill's group was kept
+    assert len({p for prompts in kept for p in prompts}) < 2 * 5 * 3  # and groups were dropped
+    want = torch.load(single / "state0.pt")
+    for r in range(2):
+        got = torch.load(dp / f"state{r}.pt")
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_cli_fit_on_two_processes(tmp_path):

@@ -10,6 +10,7 @@ row ids and per-row scalars only, never token tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lppo.replay.base import ReplayStore
-from lppo.types import RESPONSE_MASK, REWARD, TRUNCATED, Rollout
+from lppo.types import RESPONSE_MASK, REWARD, TRUNCATED, Rollout, SamplingReport
 
 __all__ = ["PUT_ROWS", "RowRules", "StoredRollout", "concat_stored", "mark_invalid", "put_rollout"]
 
@@ -75,6 +76,7 @@ class StoredRollout:
             masking).
         bad_rewards: rows whose reward was non-finite or out of bounds.
         dropped: samples lost before reaching the store (they count against the drop budget).
+        sampling: what dynamic sampling did (``None``: off).
     """
 
     row_ids: tuple[int, ...]
@@ -82,6 +84,7 @@ class StoredRollout:
     response_tokens: torch.Tensor
     bad_rewards: int = 0
     dropped: int = 0
+    sampling: SamplingReport | None = None
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -151,7 +154,9 @@ def put_rollout(
         store.discard(ids)  # a put that fails part-way leaves none of the rollout behind
         raise
     lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
-    return StoredRollout(tuple(ids), rollout.reward, lengths, bad_rewards, rollout.dropped)
+    return StoredRollout(
+        tuple(ids), rollout.reward, lengths, bad_rewards, rollout.dropped, rollout.sampling
+    )
 
 
 def concat_stored(parts: Sequence[StoredRollout], dropped: int = 0) -> StoredRollout:
@@ -164,4 +169,7 @@ def concat_stored(parts: Sequence[StoredRollout], dropped: int = 0) -> StoredRol
         ),
         bad_rewards=sum(p.bad_rewards for p in parts),
         dropped=dropped + sum(p.dropped for p in parts),
+        sampling=functools.reduce(
+            lambda a, b: b if a is None else a.merged(b), (p.sampling for p in parts), None
+        ),
     )

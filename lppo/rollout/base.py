@@ -92,6 +92,16 @@ class RolloutSettings:
             off (``off_policy.mode: none``), train on stale rows as if they were on-policy.
             That biases the gradient (the PPO ratio is then taken against a policy that did
             not sample the rows); an explicit opt-in.
+        dynamic_sampling_rounds: DAPO's dynamic sampling (:mod:`lppo.rollout.dynamic_sampling`).
+            ``0``: off. ``N > 0``: prompt groups whose samples all got the same reward are
+            dropped, and each block refills itself from up to ``N`` extra blocks of fresh
+            prompts until it holds as many informative groups as prompts (then the iteration
+            trains on what there is). The refills' prompts are drawn when the iteration is
+            admitted, so a task with a position (a dataset) advances by
+            ``(N + 1) × prompts_per_iteration`` prompts per iteration. Refills are whole
+            blocks: a small ``prompts_per_block`` wastes fewer samples. An iteration left with
+            fewer valid rows than ``*_minibatches`` takes one step per row; one left with none
+            trains nothing (logged, not failed).
     """
 
     prompts_per_iteration: int = 32
@@ -105,6 +115,7 @@ class RolloutSettings:
     ignore_eos: bool = False
     max_staleness: int = 0
     allow_uncorrected_staleness: bool = False
+    dynamic_sampling_rounds: int = 0
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the key, the value and the fix for a bad setting."""
@@ -149,6 +160,20 @@ class RolloutSettings:
             low=0,
             fix="0 is the synchronous run; 1 overlaps generation with one training iteration.",
         )
+        check_number(
+            "model.rollout.dynamic_sampling_rounds",
+            self.dynamic_sampling_rounds,
+            integer=True,
+            low=0,
+            fix="0 turns dynamic sampling off; DAPO allows a few extra generation rounds.",
+        )
+        if self.dynamic_sampling_rounds and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"model.rollout.dynamic_sampling_rounds={self.dynamic_sampling_rounds} with "
+                f"model.rollout.samples_per_prompt={self.samples_per_prompt}: a group of one "
+                "sample always has a single reward, so every group would be dropped; sample at "
+                "least 2 per prompt, or set dynamic_sampling_rounds: 0."
+            )
 
     @property
     def rows_per_iteration(self) -> int:
@@ -216,11 +241,15 @@ class PromptBlock:
             samples answer prompts ``start + i``).
         prompts: the block's prompts.
         seed: the block's generation seed.
+        refills: the block's reserve for dynamic sampling (``model.rollout.
+            dynamic_sampling_rounds``): one block of fresh prompts per extra round, generated
+            in order only while this block has fewer informative groups than prompts.
     """
 
     start: int
     prompts: list[Prompt]
     seed: int
+    refills: tuple[PromptBlock, ...] = ()
 
 
 @dataclass(frozen=True)

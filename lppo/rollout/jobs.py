@@ -28,6 +28,7 @@ from lppo.rollout.base import (
     score,
     to_rollout,
 )
+from lppo.rollout.dynamic_sampling import generate_dynamic
 from lppo.tasks.base import Prompt, Task
 from lppo.types import Rollout
 
@@ -68,25 +69,33 @@ class RolloutJob:
         return {
             "iteration": self.iteration,
             "version": self.version,
-            "blocks": [
-                {
-                    "start": b.start,
-                    "seed": b.seed,
-                    "prompts": [dataclasses.asdict(p) for p in b.prompts],
-                }
-                for b in self.blocks
-            ],
+            "blocks": [_block_state(b) for b in self.blocks],
             "weights": None if same else weights,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> RolloutJob:
         """The job :meth:`state_dict` saved (``weights`` ``None``: the restored actor's)."""
-        blocks = [
-            PromptBlock(b["start"], [Prompt(**p) for p in b["prompts"]], b["seed"])
-            for b in state["blocks"]
-        ]
+        blocks = [_block_from_state(b) for b in state["blocks"]]
         return cls(state["iteration"], state["version"], blocks, state["weights"])
+
+
+def _block_state(block: PromptBlock) -> dict[str, Any]:
+    """A prompt block (and its refills) as plain data."""
+    return {
+        "start": block.start,
+        "seed": block.seed,
+        "prompts": [dataclasses.asdict(p) for p in block.prompts],
+        "refills": [_block_state(r) for r in block.refills],
+    }
+
+
+def _block_from_state(state: dict[str, Any]) -> PromptBlock:
+    """The block :func:`_block_state` saved (checkpoints without refills too)."""
+    refills = tuple(_block_from_state(r) for r in state.get("refills", ()))
+    return PromptBlock(
+        state["start"], [Prompt(**p) for p in state["prompts"]], state["seed"], refills
+    )
 
 
 @dataclass
@@ -187,8 +196,12 @@ def generate_blocks(
         provenance: ``(iteration, policy version)`` stored with every row.
 
     Returns:
-        The rewarded samples; ``prompt_index`` counts over the iteration's prompts.
+        The rewarded samples; ``prompt_index`` counts over the iteration's prompts. Blocks with
+        refills are generated with dynamic sampling
+        (:func:`~lppo.rollout.dynamic_sampling.generate_dynamic`).
     """
+    if any(block.refills for block in blocks):
+        return generate_dynamic(engine, task, blocks, samples_per_prompt, provenance)
     outputs: list[GenerationOutput] = []
     prompts: list[Prompt] = []
     for block in blocks:

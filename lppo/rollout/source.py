@@ -41,6 +41,7 @@ from lppo.rollout.jobs import RolloutJob, generate_blocks
 from lppo.tasks import Task
 from lppo.tasks.base import Prompt
 from lppo.types import Rollout, iteration_label
+from lppo.validation import SettingError
 
 
 class StaleWeightsError(RuntimeError):
@@ -145,6 +146,13 @@ class RolloutSource:
         self.writer: StoreWritingEngine | None = None
         if store is not None and store.shared and isinstance(engine, StoreWritingEngine):
             self.writer = engine
+        if self.writer is not None and settings.dynamic_sampling_rounds:
+            raise SettingError(
+                f"model.rollout.dynamic_sampling_rounds={settings.dynamic_sampling_rounds} with "
+                f"{type(engine).__name__}, which puts rows into the store itself: dynamic "
+                "sampling must see every group's rewards before rows are kept. Set it to 0, or "
+                "use an engine the trainer's rollout source puts rows for."
+            )
         prompt_blocks(settings, group.size)  # reject too few blocks at setup
 
     def sync(self) -> None:
@@ -171,18 +179,26 @@ class RolloutSource:
         Draws the prompts, so iterations must be admitted in order (a task may keep a position).
         """
         s = self.settings
-        prompts = self.task.sample_prompts(
-            s.prompts_per_iteration, random.Random(derive_seed(self.seed, "prompts", iteration))
-        )
-        blocks = prompt_blocks(s, self.group.size)
-        return [
-            PromptBlock(
-                blocks[b].start,
-                [prompts[i] for i in blocks[b]],
-                block_seed(self.seed, iteration, b),
+        n = s.prompts_per_iteration
+        # Round 0 draws as without dynamic sampling; each refill round draws its own prompts
+        # now, so which prompts the iteration may use never depends on what was generated.
+        draws = [
+            self.task.sample_prompts(
+                n, random.Random(derive_seed(self.seed, "prompts", iteration, *r))
             )
-            for b in rank_share(len(blocks), self.group.size, self.group.rank)
+            for r in [()] + [("refill", k) for k in range(1, s.dynamic_sampling_rounds + 1)]
         ]
+        blocks = prompt_blocks(s, self.group.size)
+
+        def block(b: int, round_: int) -> PromptBlock:
+            seed = block_seed(self.seed, iteration, b)
+            if round_:
+                seed = derive_seed(self.seed, "generate", iteration, b, "refill", round_)
+            prompts = [draws[round_][i] for i in blocks[b]]
+            refills = () if round_ else tuple(block(b, k) for k in range(1, len(draws)))
+            return PromptBlock(round_ * n + blocks[b].start, prompts, seed, refills)
+
+        return [block(b, 0) for b in rank_share(len(blocks), self.group.size, self.group.rank)]
 
     def collect(self, iteration: int, version: int = 0) -> Rollout | StoredRollout:
         """This rank's rewarded samples of ``iteration`` from the actor's current weights.

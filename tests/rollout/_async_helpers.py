@@ -128,11 +128,13 @@ def fit(
     warmup: int = 0,
     store: Any = None,
     ray: Any = None,
+    rollout: dict[str, Any] | None = None,
     **ppo: Any,
 ) -> tuple[PPOTrainer, PPOSystem]:
     """A small GAE run with lag ``staleness`` (1 torch thread: the child matches it).
 
-    ``store`` is the replay store (``None``: in-process), ``ray`` the trainer's Ray settings.
+    ``store`` is the replay store (``None``: in-process), ``ray`` the trainer's Ray settings,
+    ``rollout`` further ``model.rollout`` settings.
     """
     system = PPOSystem(
         actor=ActorModule(spec(0), lr=3e-3),
@@ -143,6 +145,7 @@ def fit(
             samples_per_prompt=3,
             max_new_tokens=4,
             max_staleness=staleness,
+            **(rollout or {}),
         ),
         ppo=PPOConfig(critic_epochs=2, actor_minibatches=2, critic_warmup_iterations=warmup, **ppo),
         num_threads=1,

@@ -37,6 +37,7 @@ from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
 from lppo.trainer import PPOTrainer
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, RESPONSE_MASK, REWARD, IterationResult
+from lppo.validation import SettingError
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -194,8 +195,9 @@ def test_rows_put_by_the_workers_equal_the_trainers_put(workers, rank):
         # The trainer got ids and per-row scalars, never the samples' tensors ...
         assert isinstance(got, StoredRollout)
         assert {f.name for f in dataclasses.fields(got)} == {
-            "row_ids", "reward", "response_tokens", "bad_rewards", "dropped"
+            "row_ids", "reward", "response_tokens", "bad_rewards", "dropped", "sampling"
         }  # fmt: skip
+        assert got.sampling is None  # dynamic sampling is off (and refused with a writer)
         # ... and the rows are in TransferQueue already: the workers put them.
         assert tq_keys(store) == {str(i) for i in got.row_ids}
         assert_same(got, want)
@@ -299,5 +301,16 @@ def test_a_failed_call_leaves_nothing_in_the_store(workers):
         assert tq_keys(store) == set() and catalog_rows(store) == 0
         got = source(workers, store).collect(0)  # the replaced workers serve the next call
         assert got.dropped == 0 and catalog_rows(store) == len(got)
+    finally:
+        store.close()
+
+
+def test_dynamic_sampling_is_refused_when_the_workers_put_the_rows(workers):
+    """Workers that put rows themselves never show the trainer a group's rewards first."""
+    store = tq_store()
+    try:
+        sampling = dataclasses.replace(SAMPLING, dynamic_sampling_rounds=1)
+        with pytest.raises(SettingError, match=r"dynamic_sampling_rounds=1 with RayWorkersEngine"):
+            RolloutSource(TASK, workers, actor(), sampling, store=store, rules=RULES)
     finally:
         store.close()
