@@ -32,6 +32,7 @@ NUMERIC = (int, float)
 OUT_OF_RANGE: dict[str, str] = {
     "cap": "0.5",
     "max_staleness": "-1",
+    "dynamic_sampling_rounds": "-1",
     "floor": "1.5",
     "gpu_memory_utilization": "0",
     "max_model_len": "1",
