@@ -19,6 +19,7 @@ Command line: ``python -m lppo.export CKPT DIR [--no-critic]``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from lppo.modules.critic import CriticModule
+from lppo.modules.lora import is_adapted
 
 if TYPE_CHECKING:
     from lppo.system import PPOSystem
@@ -136,7 +138,10 @@ def export_critic(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
     critic = system.critic
     if critic.backbone is None or critic.value_head is None:
         raise _not_built("critic")
-    backbone = _pretrained(critic.backbone, "critic backbone")
+    backbone = critic.backbone
+    if is_adapted(backbone):  # LoRA: an ordinary backbone with the adapters merged in
+        backbone = copy.deepcopy(backbone).merge_and_unload()
+    backbone = _pretrained(backbone, "critic backbone")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     backbone.save_pretrained(out)

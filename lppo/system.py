@@ -250,9 +250,7 @@ class PPOSystem(LightningModule):
             self.rollout, self.ppo.old_logprobs, self.actor.off_policy
         )
         if self.ppo.kl_coef > 0 or self.actor.needs_reference:
-            self.reference = copy.deepcopy(self.actor)
-            self.reference.requires_grad_(False)
-            self.reference.eval()
+            self.reference = self.actor.reference_policy()
 
     def _tokenizer(self) -> Any:
         if self.tokenizer_path is None:

@@ -1,9 +1,10 @@
 """A tiny PPO fit on ``--devices`` CPU processes (standalone script, launched by test_ddp.py).
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
-[--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]``
-(with ``N > 0`` the task's reward is pass/fail, :class:`_builders.ThresholdCopyTask`, so groups
-are dropped and refilled); with ``--tq-temp-dir`` the replay is one
+[--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]
+[--lora]`` (with ``N > 0`` the task's reward is pass/fail, :class:`_builders.ThresholdCopyTask`,
+so groups are dropped and refilled; ``--lora`` trains LoRA adapters on actor and critic);
+with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
 the partition at the end (``tq``: partition, keys left, live rows, claims, released ids).
@@ -37,6 +38,7 @@ from lppo.hooks import IterationContext, PPOCallback
 from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.lora import LoRA
 from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
 from lppo.strategy import PPODDPStrategy
@@ -148,12 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--old-values", default="score")
     parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters on actor and critic")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    lora = LoRA(r=4, alpha=8) if args.lora else None
 
     system = PerturbedOnOtherRanks(
-        actor=ActorModule(spec(0, args.dtype), lr=3e-3),
-        critic=CriticModule(spec(1, args.dtype), lr=3e-3),
+        actor=ActorModule(spec(0, args.dtype), lr=3e-3, lora=lora),
+        critic=CriticModule(spec(1, args.dtype), lr=3e-3, lora=lora),
         task=ThresholdCopyTask(0.5) if args.dynamic_sampling_rounds else CopyTask(),
         rollout=RolloutSettings(
             prompts_per_iteration=PROMPTS,

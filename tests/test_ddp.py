@@ -320,6 +320,28 @@ def test_two_processes_with_dynamic_sampling_keep_one_process_groups(tmp_path):
             torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.distributed
+def test_two_processes_train_lora_adapters_like_one(tmp_path):
+    """LoRA actor and critic under ppo_ddp: rank 0's frozen base weights reach every rank (rank
+    1 built perturbed ones), only adapters and the value head move, and the run equals one
+    process (float64)."""
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    single.mkdir()
+    dp.mkdir()
+    jobs = [
+        [str(WORKER), "--devices=2", f"--out={dp}", "--dtype=float64", "--lora"],
+        [str(WORKER), "--devices=1", f"--out={single}", "--dtype=float64", "--lora"],
+    ]
+    finish_all([start(args, tmp_path) for args in jobs], jobs)
+    want = torch.load(single / "state0.pt")
+    assert any(".lora_B." in k and want[k].abs().max() > 0 for k in want)  # adapters trained
+    for r in range(2):
+        got = torch.load(dp / f"state{r}.pt")
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_cli_fit_on_two_processes(tmp_path):

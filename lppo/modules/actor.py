@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +13,7 @@ from lppo.algorithms.losses import PolicyTerms, entropy_from_logprobs
 from lppo.algorithms.objectives import ClippedPPO, PolicyObjective
 from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
+from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
 from lppo.stats import SumStats
 from lppo.tail import check_trimmable, response_start, trimmed
 from lppo.types import Chunk
@@ -73,6 +75,9 @@ class ActorModule(PPOModule):
             the chunk's first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2
             models): the same log-probabilities to round-off, less work per chunk. Also used
             by the reference, a copy of the actor.
+        lora: train LoRA adapters instead of the model (:mod:`lppo.modules.lora`, the
+            ``[lora]`` extra): only adapters train and hold optimizer state; the reference is
+            the model with adapters disabled; engines and export get the merged weights.
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
             ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
             ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
@@ -89,10 +94,12 @@ class ActorModule(PPOModule):
         kl_loss_kind: KLKind = "k3",
         off_policy: OffPolicyCorrection = OffPolicyCorrection(),
         trim_prompt: bool = False,
+        lora: LoRA | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         key = self.config_key
+        check_lora(lora, trim_prompt, key)
         check_number(f"{key}.entropy_coef", entropy_coef, low=0)
         check_number(f"{key}.kl_loss_coef", kl_loss_coef, low=0, fix="0: no KL in the loss.")
         if kl_loss_kind not in ("k1", "k2", "k3"):
@@ -111,6 +118,8 @@ class ActorModule(PPOModule):
         self.kl_loss_kind: KLKind = kl_loss_kind
         self.off_policy = off_policy
         self.trim_prompt = trim_prompt
+        self.lora = lora
+        self._merged: MergedPolicy | None = None
         self.temperature = 1.0
         self.spec: HFCausalLM | None = None
         self.model: nn.Module | None = None
@@ -131,6 +140,9 @@ class ActorModule(PPOModule):
             if self.spec is None or vocab_size is None:
                 raise RuntimeError("actor model spec needs the vocabulary to be built.")
             self.model = self.spec.build(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+        if self.lora is not None and not is_adapted(self.model):
+            self._merged = MergedPolicy(self.model)  # before wrapping: the plain base model
+            self.model = self.lora.wrap(self.model)
         if self.trim_prompt:
             check_trimmable(self.model.base_model, f"{self.config_key}.trim_prompt")
 
@@ -171,7 +183,22 @@ class ActorModule(PPOModule):
         """The Hugging Face causal LM holding the current weights, for the rollout engine."""
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
+        if self._merged is not None:  # LoRA: the base model with the adapters merged in
+            return self._merged.current(self.model, self.weights_version)
         return self.model
+
+    def reference_policy(self) -> nn.Module:
+        """The frozen reference (KL): a copy of this actor, or with LoRA the base model itself.
+
+        With LoRA the reference is this actor's own model with its adapters disabled
+        (:class:`~lppo.modules.lora.AdapterFreeReference`): no second copy of the weights.
+        """
+        if self.lora is not None:
+            return AdapterFreeReference(self)
+        reference = copy.deepcopy(self)
+        reference.requires_grad_(False)
+        reference.eval()
+        return reference
 
     @torch.no_grad()
     def score(self, chunk: Chunk) -> torch.Tensor:

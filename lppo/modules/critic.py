@@ -9,6 +9,7 @@ from torch import nn
 
 from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
+from lppo.modules.lora import LoRA, check_lora, is_adapted
 from lppo.stats import SumStats
 from lppo.tail import check_trimmable, response_start, trimmed
 from lppo.types import Chunk
@@ -33,6 +34,8 @@ class CriticModule(PPOModule):
         trim_prompt: run the backbone's last block only from the position before the chunk's
             first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2 backbones):
             the same values on response tokens to round-off, less work per chunk.
+        lora: train LoRA adapters on the backbone instead of its weights (the value head
+            trains fully; :mod:`lppo.modules.lora`, the ``[lora]`` extra).
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
             ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
             ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
@@ -47,10 +50,12 @@ class CriticModule(PPOModule):
         head_init_std: float = 0.02,
         head_seed: int = 0,
         trim_prompt: bool = False,
+        lora: LoRA | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         key = self.config_key
+        check_lora(lora, trim_prompt, key)
         check_number(f"{key}.value_clip", value_clip, low=0, low_open=True, optional=True)
         check_number(f"{key}.head_init_std", head_init_std, low=0)
         check_number(f"{key}.head_seed", head_seed, integer=True, low=0)
@@ -60,6 +65,7 @@ class CriticModule(PPOModule):
         self.head_init_std = head_init_std
         self.head_seed = head_seed
         self.trim_prompt = trim_prompt
+        self.lora = lora
         given = isinstance(backbone, nn.Module)
         self.spec: HFCausalLM | None = None if given else backbone  # type: ignore[assignment]
         self.backbone: nn.Module | None = backbone if given else None  # type: ignore[assignment]
@@ -85,6 +91,8 @@ class CriticModule(PPOModule):
             self.backbone = self.spec.build_backbone(
                 vocab_size, pad_token_id, bos_token_id, eos_token_id
             )
+        if self.lora is not None and not is_adapted(self.backbone):
+            self.backbone = self.lora.wrap(self.backbone)  # the value head stays fully trained
         if self.trim_prompt:
             check_trimmable(self.backbone.base_model, f"{self.config_key}.trim_prompt")
         if self.value_head is None:
