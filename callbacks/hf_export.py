@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lppo.callbacks.reward_plot import run_dir
 
-from lppo.validation import callback_key, check_number
+from lppo.validation import SettingError, callback_key, check_number
 
 
 class HFExport(Callback):
@@ -28,6 +28,8 @@ class HFExport(Callback):
         directory: export root; ``None`` means ``<trainer.default_root_dir>/hf``.
         critic: also export the critic (backbone + value head).
         every_n_iterations: also export every N iterations (``None``: only at the end).
+        adapter: a LoRA actor's adapters alone in ``policy`` (PEFT's layout) instead of the
+            model with the adapters merged in.
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class HFExport(Callback):
         directory: str | None = None,
         critic: bool = False,
         every_n_iterations: int | None = None,
+        adapter: bool = False,
     ) -> None:
         super().__init__()
         check_number(
@@ -48,7 +51,17 @@ class HFExport(Callback):
         self.directory = directory
         self.critic = critic
         self.every_n_iterations = every_n_iterations
+        self.adapter = adapter
         self.exported: list[Path] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        """Refuse ``adapter`` without a LoRA actor now, not when the run ends."""
+        if self.adapter and getattr(getattr(pl_module, "actor", None), "lora", None) is None:
+            raise SettingError(
+                f"{callback_key(self, 'adapter')}=true but model.actor.init_args.lora is null: "
+                "there is no adapter to export; set adapter: false (the merged model) or train "
+                "LoRA adapters."
+            )
 
     def root(self, trainer: pl.Trainer) -> Path:
         """The export root: ``directory``, or ``<run dir>/hf``."""
@@ -67,7 +80,7 @@ class HFExport(Callback):
         # (lppo -> lppo.trainer -> lppo.callbacks).
         from lppo.export import export_system
 
-        export_system(pl_module, directory, critic=self.critic)
+        export_system(pl_module, directory, critic=self.critic, adapter=self.adapter)
         self.exported.append(directory)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:

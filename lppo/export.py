@@ -212,8 +212,38 @@ def load_critic(
     return critic
 
 
+def export_adapter(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
+    """Save a LoRA actor's adapters alone (PEFT's layout) and the tokenizer into ``directory``.
+
+    ``peft.PeftModel.from_pretrained(base_model, directory)`` puts them back on the base model
+    the run started from.
+
+    Raises:
+        ValueError: the actor has no LoRA adapters.
+        RuntimeError: the actor or the tokenizer is not built yet.
+    """
+    actor = system.actor
+    if actor.model is None:
+        raise _not_built("actor model")
+    if system.tokenizer is None:
+        raise _not_built("tokenizer")
+    if not is_adapted(actor.model):
+        raise ValueError(
+            "the adapter alone can only be exported from a LoRA actor "
+            "(model.actor.init_args.lora); export the merged policy instead."
+        )
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    actor.model.save_pretrained(out)
+    system.tokenizer.save_pretrained(out)
+    return out
+
+
 def export_system(
-    system: PPOSystem, directory: str | os.PathLike[str], critic: bool = True
+    system: PPOSystem,
+    directory: str | os.PathLike[str],
+    critic: bool = True,
+    adapter: bool = False,
 ) -> dict[str, Path]:
     """Export the policy to ``<directory>/policy`` and the critic to ``<directory>/critic``.
 
@@ -221,12 +251,15 @@ def export_system(
         system: a built system (after ``configure_model()``).
         directory: export root (created).
         critic: also export the critic.
+        adapter: a LoRA actor's adapters alone (:func:`export_adapter`) instead of the merged
+            model.
 
     Returns:
         ``{"policy": path}`` plus ``"critic"`` when exported.
     """
     root = Path(directory)
-    paths = {"policy": export_policy(system, root / POLICY_DIR)}
+    policy = export_adapter if adapter else export_policy
+    paths = {"policy": policy(system, root / POLICY_DIR)}
     if critic:
         paths["critic"] = export_critic(system, root / CRITIC_DIR)
     return paths
@@ -237,6 +270,7 @@ def export_from_checkpoint(
     directory: str | os.PathLike[str],
     critic: bool = True,
     system_cls: type[PPOSystem] | None = None,
+    adapter: bool = False,
 ) -> dict[str, Path]:
     """Rebuild the system of a checkpoint and export it like :func:`export_system`.
 
@@ -248,6 +282,7 @@ def export_from_checkpoint(
         directory: export root.
         critic: also export the critic.
         system_cls: the ``PPOSystem`` (sub)class that wrote the checkpoint.
+        adapter: a LoRA actor's adapters alone instead of the merged model.
 
     Returns:
         The exported directories, as :func:`export_system`.
@@ -276,11 +311,11 @@ def export_from_checkpoint(
             "state_dict and call lppo.export.export_system."
         ) from err
     system.configure_model()  # idempotent: load_from_checkpoint already built it
-    return export_system(system, directory, critic=critic)
+    return export_system(system, directory, critic=critic, adapter=adapter)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lppo.export CKPT DIR [--no-critic]``."""
+    """``python -m lppo.export CKPT DIR [--no-critic] [--adapter]``."""
     parser = argparse.ArgumentParser(
         prog="python -m lppo.export",
         description="Export a checkpoint's policy (and critic) as Hugging Face directories.",
@@ -288,9 +323,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("ckpt", help="Lightning checkpoint, e.g. runs/tiny/checkpoints/last.ckpt")
     parser.add_argument("directory", help="export root: DIR/policy and DIR/critic")
     parser.add_argument("--no-critic", action="store_true", help="export the policy only")
+    parser.add_argument(
+        "--adapter", action="store_true", help="a LoRA actor's adapters alone, not merged"
+    )
     args = parser.parse_args(argv)
     try:
-        paths = export_from_checkpoint(args.ckpt, args.directory, critic=not args.no_critic)
+        paths = export_from_checkpoint(
+            args.ckpt, args.directory, critic=not args.no_critic, adapter=args.adapter
+        )
     except (FileNotFoundError, ValueError) as err:
         parser.error(str(err))
     for name, out in paths.items():

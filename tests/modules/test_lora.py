@@ -168,3 +168,37 @@ def test_a_lora_fit_exports_an_ordinary_model_and_resumes_bitwise(tmp_path):
     with torch.no_grad():
         want, got = adapted(input_ids=ids).logits, exported(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_alone_is_exported_and_goes_back_on_the_base_model(tmp_path):
+    """``HFExport(adapter=true)`` writes PEFT's adapter directory; on the base model it gives
+    the logits of the merged export of the same checkpoint."""
+    import peft
+
+    from lppo.export import export_from_checkpoint
+    from lppo.models import HFCausalLM
+
+    fit(tmp_path / "run", 2, "--trainer.callbacks+=lppo.callbacks.HFExport",
+        "--trainer.callbacks.adapter=true")  # fmt: skip
+    adapter_dir = tmp_path / "run" / "hf" / "policy"
+    assert (adapter_dir / "adapter_config.json").is_file()
+    assert not (adapter_dir / "model.safetensors").exists()
+    merged_dir = tmp_path / "merged"
+    export_from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", merged_dir, critic=False)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir / "policy")
+    tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    spec = HFCausalLM(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=0)
+    base = spec.build(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    adapted = peft.PeftModel.from_pretrained(base, adapter_dir)
+    ids = torch.randint(0, len(tok), (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_exporting_an_adapter_without_lora_is_refused_at_setup(tmp_path):
+    args = ["fit", "--config", str(ROOT / "configs" / "grpo.yaml"), "--trainer.max_epochs", "1",
+            "--trainer.callbacks+=lppo.callbacks.HFExport", "--trainer.callbacks.adapter=true",
+            "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SettingError, match=r"adapter=true but model.actor.init_args.lora is null"):
+        run(args)
