@@ -28,6 +28,7 @@ from lppo.rollout.base import (
     score,
     to_rollout,
 )
+from lppo.tasks.base import Task
 from lppo.types import Rollout, SamplingReport
 
 
@@ -81,7 +82,7 @@ def select(output: GenerationOutput, rows: list[int]) -> GenerationOutput:
 
 def generate_dynamic(
     engine: RolloutEngine,
-    task: object,
+    task: Task,
     blocks: list[PromptBlock],
     samples_per_prompt: int,
     provenance: tuple[int, int],
@@ -132,7 +133,7 @@ def generate_dynamic(
 
 
 def _score_round(
-    task: object, blocks: list[PromptBlock], outputs: list[GenerationOutput]
+    task: Task, blocks: list[PromptBlock], outputs: list[GenerationOutput]
 ) -> list[torch.Tensor]:
     """Each block's rewards, from one ``Task.rewards`` call over the round's samples."""
     shifted, prompts = [], []
@@ -141,5 +142,5 @@ def _score_round(
         moved.prompt_index = output.prompt_index + len(prompts)
         prompts += block.prompts
         shifted.append(moved)
-    rewards = score(task, prompts, concat_outputs(shifted))  # type: ignore[arg-type]
+    rewards = score(task, prompts, concat_outputs(shifted))
     return list(rewards.split([len(o) for o in outputs]))
