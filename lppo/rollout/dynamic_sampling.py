@@ -18,6 +18,8 @@ iteration may use never depends on what was generated. Rewards are still one
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lppo.rollout.base import (
@@ -138,9 +140,7 @@ def _score_round(
     """Each block's rewards, from one ``Task.rewards`` call over the round's samples."""
     shifted, prompts = [], []
     for block, output in zip(blocks, outputs, strict=True):
-        moved = select(output, list(range(len(output))))
-        moved.prompt_index = output.prompt_index + len(prompts)
+        shifted.append(dataclasses.replace(output, prompt_index=output.prompt_index + len(prompts)))
         prompts += block.prompts
-        shifted.append(moved)
     rewards = score(task, prompts, concat_outputs(shifted))
     return list(rewards.split([len(o) for o in outputs]))
