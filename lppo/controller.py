@@ -230,7 +230,10 @@ class PPOController:
 
         # 3. advantages (each rank its own rows; statistics reduced over the ranks)
         ctx.phase = "advantages"
-        inputs = EstimatorInputs(self.data.store, step, group, cfg.kl_coef, cfg.kl_kind)
+        multi_turn = rollout.episodes is not None
+        inputs = EstimatorInputs(
+            self.data.store, step, group, cfg.kl_coef, cfg.kl_kind, turn_rewards=multi_turn
+        )
         targets = self.advantages.start(inputs, stats)
         clock = _lap(seconds, "advantages", clock)
 

@@ -31,6 +31,7 @@ from lppo.types import (
     RM_SCORE,
     TASK_REWARD,
     VALUES,
+    EpisodeReport,
     RolloutStats,
     SamplingReport,
     StepPlan,
@@ -67,6 +68,9 @@ def rollout_stats(rows: StoredRollout, group: ProcessGroup) -> tuple[RolloutStat
         counts = torch.tensor(rows.sampling.counts(), dtype=torch.float64)
         total = SamplingReport(*group.all_reduce(counts).tolist())
         stats.update(total.metrics())
+    if rows.episodes is not None:  # multi-turn rollouts (on every rank)
+        counts = torch.tensor(rows.episodes.counts(), dtype=torch.float64)
+        stats.update(EpisodeReport(*group.all_reduce(counts).tolist()).metrics())
     return stats, round(tokens)
 
 

@@ -31,6 +31,7 @@ from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
+from lppo.rollout.multi_turn import MultiTurnEngine
 from lppo.rollout.pipeline import RolloutPipeline, default_runner, stale_correction
 from lppo.rollout.runners import RolloutRunner
 from lppo.run_log import RunLog
@@ -179,7 +180,7 @@ class PPOSystem(LightningModule):
         data.configure(
             world_size=parallel.data.size,
             rank=parallel.data.rank,
-            max_row_length=self.task.max_prompt_length() + 1 + r.max_new_tokens,
+            max_row_length=self._max_row_length(),
             rows_per_iteration=r.rows_per_iteration,
             minibatches=max(self.ppo.actor_minibatches, self.ppo.critic_minibatches),
             group=parallel.data,
@@ -233,6 +234,13 @@ class PPOSystem(LightningModule):
         )
         if self._rollouts_state is not None:
             self.rollouts.load_state_dict(self._rollouts_state)
+
+    def _max_row_length(self) -> int:
+        """The longest row a rollout can put: a multi-turn engine's ``max_tokens`` bounds it."""
+        for engine in (self.engine, getattr(self.engine, "engine", None)):  # Ray workers' too
+            if isinstance(engine, MultiTurnEngine):
+                return engine.max_tokens
+        return self.task.max_prompt_length() + 1 + self.rollout.max_new_tokens
 
     def _configure_modules(self) -> None:
         """Build the tokenizer, actor, critic, reward model and the frozen reference."""

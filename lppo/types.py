@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from lppo.reports import EpisodeReport, SamplingReport
+
 # Names of the columns lppo itself reads and writes in a replay store.
 INPUT_IDS = "input_ids"
 RESPONSE_MASK = "response_mask"
@@ -33,55 +35,8 @@ TRUNCATED = "truncated"
 # iteration it was generated for (stored with every row).
 POLICY_VERSION = "policy_version"
 FOR_ITERATION = "for_iteration"
-
-
-@dataclass
-class SamplingReport:
-    """What dynamic sampling (``model.rollout.dynamic_sampling_rounds``) did on one rank.
-
-    Attributes:
-        uniform_groups: prompt groups dropped because every sample got the same reward.
-        surplus_groups: informative groups a refill generated beyond its block's quota (unused).
-        short_groups: groups still missing after every refill round (the iteration trains on
-            fewer).
-        refills: refill ``generate`` calls (one per block and extra round).
-        first_reward_sum: sum of the finite task rewards of the first round's samples (the
-            prompts a run without dynamic sampling draws), kept or dropped.
-        first_samples: how many rewards that sum holds.
-    """
-
-    uniform_groups: int = 0
-    surplus_groups: int = 0
-    short_groups: int = 0
-    refills: int = 0
-    first_reward_sum: float = 0.0
-    first_samples: int = 0
-
-    def merged(self, other: SamplingReport | None) -> SamplingReport:
-        """The sum of both reports (``other`` ``None``: this one)."""
-        if other is None:
-            return self
-        return SamplingReport(*(a + b for a, b in zip(self.counts(), other.counts(), strict=True)))
-
-    def counts(self) -> tuple[float, ...]:
-        """Every field, in order."""
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-    def metrics(self) -> dict[str, float]:
-        """The counts, and ``sampled_reward_mean``.
-
-        ``sampled_reward_mean`` is the mean task reward of the first round, before any group
-        was dropped: comparable with a run without dynamic sampling, unlike ``reward_mean``
-        (over the kept rows).
-        """
-        mean = self.first_reward_sum / self.first_samples if self.first_samples else math.nan
-        return {
-            "uniform_groups": float(self.uniform_groups),
-            "surplus_groups": float(self.surplus_groups),
-            "short_groups": float(self.short_groups),
-            "refills": float(self.refills),
-            "sampled_reward_mean": mean,
-        }
+# Token-level (float32) extra of a multi-turn row: each turn's own reward on its last token.
+TURN_REWARDS = "turn_rewards"
 
 
 @dataclass
@@ -99,6 +54,7 @@ class Rollout:
             drop budget).
         sampling: what dynamic sampling did (``None``: it is off). Groups it dropped are not
             "lost": they never count against the drop budget.
+        episodes: what multi-turn rollouts did (``None``: single-turn rows).
     """
 
     input_ids: list[torch.Tensor]
@@ -109,6 +65,7 @@ class Rollout:
     extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     dropped: int = 0
     sampling: SamplingReport | None = None
+    episodes: EpisodeReport | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -303,7 +260,9 @@ class RolloutStats:
         extra: what the estimator and the reward model report besides (e.g.
             ``advantage_abs_mean``, ``rm_score_mean``), and with dynamic sampling the counts of
             :class:`SamplingReport` over every rank (``uniform_groups``, ``surplus_groups``,
-            ``short_groups``, ``refills``).
+            ``short_groups``, ``refills``); with multi-turn rollouts the
+            :meth:`EpisodeReport.metrics` (``turns_per_episode``, ``tool_calls_per_episode``,
+            ...).
     """
 
     reward_mean: float = math.nan

@@ -25,7 +25,15 @@ from lppo.chunks import iter_chunks, unpad
 from lppo.parallel import ProcessGroup
 from lppo.replay.base import ReplayStore
 from lppo.stats import Moments
-from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD, Chunk, StepPlan
+from lppo.types import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    REWARD,
+    TURN_REWARDS,
+    Chunk,
+    StepPlan,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,10 @@ class EstimatorInputs:
             single-rank group when every rank holds every row).
         kl_coef: β of the KL penalty folded into the per-token reward (0: none).
         kl_kind: estimator of that KL (``k1``, ``k2``, ``k3``).
+        turn_rewards: the rows are multi-turn trajectories with a ``turn_rewards`` column
+            (:class:`~lppo.rollout.MultiTurnEngine`): each turn's own reward sits on the
+            turn's last token, and ``reward`` is the episode's return (those plus the final
+            answer's score).
     """
 
     store: ReplayStore
@@ -46,6 +58,7 @@ class EstimatorInputs:
     group: ProcessGroup
     kl_coef: float = 0.0
     kl_kind: KLKind = "k1"
+    turn_rewards: bool = False
 
     def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
         """The non-padding chunks of :attr:`step` with columns ``names``, read when reached."""
@@ -58,10 +71,16 @@ class EstimatorInputs:
     @property
     def reward_columns(self) -> list[str]:
         """Columns :meth:`token_rewards` reads."""
-        return [REWARD] + ([OLD_LOGPROBS, REF_LOGPROBS] if self.kl_coef > 0 else [])
+        kl = [OLD_LOGPROBS, REF_LOGPROBS] if self.kl_coef > 0 else []
+        return [REWARD, *kl, *([TURN_REWARDS] if self.turn_rewards else [])]
 
     def token_rewards(self, chunk: Chunk, kl_moments: Moments) -> torch.Tensor:
         """Per-token rewards ``r·[t = last] − β·KL_t`` of ``chunk``; folds KL into ``kl_moments``.
+
+        Multi-turn rows (:attr:`turn_rewards`) get each turn's reward ``u_t`` on its turn's
+        last token and the rest of the return on the last token:
+        ``r_t = (R − Σ u)·[t = last] + u_t − β·KL_t``, so the rewards still sum to the
+        return ``R`` (what critic-free estimators use).
 
         The chunk must hold :attr:`reward_columns`.
         """
@@ -71,7 +90,11 @@ class EstimatorInputs:
             assert chunk.old_logprobs is not None and chunk.ref_logprobs is not None
             kl = kl_penalty(chunk.old_logprobs, chunk.ref_logprobs, self.kl_kind)
             kl_moments.update(kl, chunk.response_mask)
-        return token_rewards(chunk.reward, chunk.response_mask, kl, self.kl_coef)
+        if not self.turn_rewards:
+            return token_rewards(chunk.reward, chunk.response_mask, kl, self.kl_coef)
+        turns = chunk.extras[TURN_REWARDS].to(chunk.reward.dtype)
+        final = chunk.reward - turns.sum(dim=-1)
+        return token_rewards(final, chunk.response_mask, kl, self.kl_coef) + turns
 
     def whiten_advantages(self, moments: Moments) -> None:
         """Second streamed pass: whiten the stored advantages with ``moments`` merged over ranks."""

@@ -10,7 +10,6 @@ row ids and per-row scalars only, never token tensors.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from lppo.replay.base import ReplayStore
-from lppo.types import RESPONSE_MASK, REWARD, TRUNCATED, Rollout, SamplingReport
+from lppo.reports import merge_reports
+from lppo.types import (
+    RESPONSE_MASK,
+    REWARD,
+    TRUNCATED,
+    EpisodeReport,
+    Rollout,
+    SamplingReport,
+)
 
 __all__ = ["PUT_ROWS", "RowRules", "StoredRollout", "concat_stored", "mark_invalid", "put_rollout"]
 
@@ -77,6 +84,7 @@ class StoredRollout:
         bad_rewards: rows whose reward was non-finite or out of bounds.
         dropped: samples lost before reaching the store (they count against the drop budget).
         sampling: what dynamic sampling did (``None``: off).
+        episodes: what multi-turn rollouts did (``None``: single-turn rows).
     """
 
     row_ids: tuple[int, ...]
@@ -85,6 +93,7 @@ class StoredRollout:
     bad_rewards: int = 0
     dropped: int = 0
     sampling: SamplingReport | None = None
+    episodes: EpisodeReport | None = None
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -155,7 +164,13 @@ def put_rollout(
         raise
     lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
     return StoredRollout(
-        tuple(ids), rollout.reward, lengths, bad_rewards, rollout.dropped, rollout.sampling
+        tuple(ids),
+        rollout.reward,
+        lengths,
+        bad_rewards,
+        rollout.dropped,
+        rollout.sampling,
+        rollout.episodes,
     )
 
 
@@ -169,7 +184,6 @@ def concat_stored(parts: Sequence[StoredRollout], dropped: int = 0) -> StoredRol
         ),
         bad_rewards=sum(p.bad_rewards for p in parts),
         dropped=dropped + sum(p.dropped for p in parts),
-        sampling=functools.reduce(
-            lambda a, b: b if a is None else a.merged(b), (p.sampling for p in parts), None
-        ),
+        sampling=merge_reports([p.sampling for p in parts]),
+        episodes=merge_reports([p.episodes for p in parts]),
     )

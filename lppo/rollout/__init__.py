@@ -14,10 +14,12 @@ from lppo.rollout.base import (
 )
 from lppo.rollout.evaluation import EvalSamples
 from lppo.rollout.hf import HFGenerateEngine
+from lppo.rollout.multi_turn import MultiTurnEngine
 from lppo.rollout.process_runner import ProcessRunner
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
+from lppo.rollout.turns import TurnEngine, TurnRequest, TurnSample
 from lppo.rollout.vllm import VLLMEngine
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "GenerationOutput",
     "HFGenerateEngine",
     "InlineRunner",
+    "MultiTurnEngine",
     "ProcessRunner",
     "PromptBlock",
     "RayWorkersEngine",
@@ -40,6 +43,9 @@ __all__ = [
     "StaleWeightsError",
     "StoreWritingEngine",
     "ThreadRunner",
+    "TurnEngine",
+    "TurnRequest",
+    "TurnSample",
     "VLLMEngine",
     "derive_seed",
     "score",

@@ -16,8 +16,16 @@ import torch
 
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout
+from lppo.reports import merge_reports
 from lppo.tasks.base import Prompt, Task
-from lppo.types import FOR_ITERATION, POLICY_VERSION, TRUNCATED, Rollout
+from lppo.types import (
+    FOR_ITERATION,
+    POLICY_VERSION,
+    TRUNCATED,
+    TURN_REWARDS,
+    EpisodeReport,
+    Rollout,
+)
 from lppo.validation import check_number
 
 
@@ -40,6 +48,10 @@ class GenerationOutput:
         prompt_lengths: ``int64[n]``; number of prompt tokens of each sample.
         dropped: samples the engine lost for good (a worker that kept failing); they are
             missing here and count against ``data.drop_budget``.
+        turn_rewards: multi-turn samples only: ``float32[L_i]`` per sample, each turn's own
+            reward on the turn's last token (0 elsewhere); ``None`` for single-turn samples.
+        episodes: multi-turn samples only: what the episodes did (every episode the call
+            ran, also those a later selection drops).
     """
 
     input_ids: list[torch.Tensor]
@@ -50,9 +62,28 @@ class GenerationOutput:
     prompt_index: torch.Tensor
     prompt_lengths: torch.Tensor
     dropped: int = 0
+    turn_rewards: list[torch.Tensor] | None = None
+    episodes: EpisodeReport | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def select(self, rows: Sequence[int]) -> GenerationOutput:
+        """The samples ``rows``, in that order (``dropped`` and ``episodes`` kept whole)."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        turn_rewards = self.turn_rewards
+        return GenerationOutput(
+            input_ids=[self.input_ids[i] for i in rows],
+            response_mask=[self.response_mask[i] for i in rows],
+            gen_logprobs=[self.gen_logprobs[i] for i in rows],
+            completions=[self.completions[i] for i in rows],
+            truncated=self.truncated[index],
+            prompt_index=self.prompt_index[index],
+            prompt_lengths=self.prompt_lengths[index],
+            dropped=self.dropped,
+            turn_rewards=None if turn_rewards is None else [turn_rewards[i] for i in rows],
+            episodes=self.episodes,
+        )
 
 
 @dataclass(frozen=True)
@@ -307,7 +338,9 @@ def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> to
         output: the generated samples.
 
     Returns:
-        ``float32[n]`` rewards (non-finite ones make their rows invalid later).
+        ``float32[n]`` rewards (non-finite ones make their rows invalid later). A multi-turn
+        sample's reward is its episode's return: the task's score of the final answer plus
+        the sum of its turns' own rewards (``output.turn_rewards``).
 
     Raises:
         RewardError: ``task.rewards`` raised, or did not return one real number per sample; the
@@ -344,6 +377,10 @@ def score(task: Task, prompts: Sequence[Prompt], output: GenerationOutput) -> to
                 "return a float."
             )
         values.append(float(reward))
+    if output.turn_rewards is not None:  # the episode's return: its turns' rewards too
+        values = [
+            v + float(t.double().sum()) for v, t in zip(values, output.turn_rewards, strict=True)
+        ]
     return torch.tensor(values, dtype=torch.float32)
 
 
@@ -373,6 +410,10 @@ def _locate_failure(task: Task, prompts: Sequence[Prompt], completions: list[str
 
 def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
     """The samples of several ``generate`` calls, in order, as one output."""
+    multi_turn = [o.turn_rewards is not None for o in outputs]
+    if any(multi_turn) and not all(multi_turn):
+        raise ValueError("concat_outputs: multi-turn and single-turn samples mixed")
+    turn_rewards = [x for o in outputs for x in o.turn_rewards or []] if all(multi_turn) else None
     return GenerationOutput(
         input_ids=[x for o in outputs for x in o.input_ids],
         response_mask=[x for o in outputs for x in o.response_mask],
@@ -382,6 +423,8 @@ def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
         prompt_index=torch.cat([o.prompt_index for o in outputs]),
         prompt_lengths=torch.cat([o.prompt_lengths for o in outputs]),
         dropped=sum(o.dropped for o in outputs),
+        turn_rewards=turn_rewards if outputs else None,
+        episodes=merge_reports([o.episodes for o in outputs]),
     )
 
 
@@ -412,6 +455,8 @@ def to_rollout(
     extras: dict[str, list[torch.Tensor]] = {}
     if include_truncated:
         extras[TRUNCATED] = list(output.truncated.to(torch.bool).unbind(0))
+    if output.turn_rewards is not None:
+        extras[TURN_REWARDS] = list(output.turn_rewards)
     if provenance is not None:
         for name, value in zip((FOR_ITERATION, POLICY_VERSION), provenance, strict=True):
             extras[name] = [torch.tensor(value, dtype=torch.int64) for _ in range(len(output))]
@@ -423,4 +468,5 @@ def to_rollout(
         prompt_index=output.prompt_index.to(torch.int64),
         extras=extras,
         dropped=output.dropped,
+        episodes=output.episodes,
     )

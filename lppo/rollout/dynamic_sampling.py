@@ -67,21 +67,6 @@ def informative_rows(
     return kept, report
 
 
-def select(output: GenerationOutput, rows: list[int]) -> GenerationOutput:
-    """The samples ``rows`` of ``output``, in that order."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return GenerationOutput(
-        input_ids=[output.input_ids[i] for i in rows],
-        response_mask=[output.response_mask[i] for i in rows],
-        gen_logprobs=[output.gen_logprobs[i] for i in rows],
-        completions=[output.completions[i] for i in rows],
-        truncated=output.truncated[index],
-        prompt_index=output.prompt_index[index],
-        prompt_lengths=output.prompt_lengths[index],
-        dropped=output.dropped,
-    )
-
-
 def generate_dynamic(
     engine: RolloutEngine,
     task: Task,
@@ -118,7 +103,7 @@ def generate_dynamic(
         for (i, block), output, reward in zip(pending, outputs, rewards, strict=True):
             rows, counts = informative_rows(reward, output.prompt_index, need[i])
             report = report.merged(counts)
-            output = select(output, rows)
+            output = output.select(rows)
             output.prompt_index = output.prompt_index + block.start
             kept[i].append((output, reward[rows]))
             need[i] -= len(torch.unique(output.prompt_index))

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,6 +28,7 @@ import transformers
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.hf import encode_prompt
+from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
 
 SyncMode = Literal["memory", "disk"]
@@ -191,8 +193,13 @@ class VLLMEngine(RecordsInitArgs):
 
     # -- generation ------------------------------------------------------------------------
 
-    def sampling_params(self, seed: int, greedy: bool = False) -> Any:
-        """The ``SamplingParams`` of one sample (from ``model.rollout``)."""
+    def sampling_params(
+        self, seed: int, greedy: bool = False, max_tokens: int | None = None
+    ) -> Any:
+        """The ``SamplingParams`` of one sample (from ``model.rollout``).
+
+        ``max_tokens``: most new tokens (``None``: ``model.rollout.max_new_tokens``).
+        """
         vllm = import_vllm()
         s = self.sampling
         return vllm.SamplingParams(
@@ -200,7 +207,7 @@ class VLLMEngine(RecordsInitArgs):
             temperature=0.0 if greedy else s.temperature,
             top_p=1.0 if greedy else s.top_p,
             top_k=0 if greedy else s.top_k,
-            max_tokens=s.max_new_tokens,
+            max_tokens=s.max_new_tokens if max_tokens is None else max_tokens,
             logprobs=0,  # the sampled token's log-probability only
             seed=seed,
             min_tokens=s.min_new_tokens,
@@ -234,10 +241,7 @@ class VLLMEngine(RecordsInitArgs):
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate before setup().")
         tokens_prompt = importlib.import_module("vllm.inputs").TokensPrompt
-        encoded = [
-            encode_prompt(self.tokenizer, p.text, self.prepend_bos, self.chat_template)
-            for p in prompts
-        ]
+        encoded = [self.encode_prompt(p.text) for p in prompts]
         rows = [(i, ids) for i, ids in enumerate(encoded) for _ in range(samples_per_prompt)]
         requests = [tokens_prompt(prompt_token_ids=ids) for _, ids in rows]
         params = [
@@ -257,6 +261,40 @@ class VLLMEngine(RecordsInitArgs):
             prompt_index=torch.tensor([i for i, _ in rows], dtype=torch.int64),
             prompt_lengths=torch.tensor([len(ids) for _, ids in rows], dtype=torch.int64),
         )
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt (:func:`~lppo.rollout.hf.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, text, self.prepend_bos, self.chat_template)
+
+    def continue_turns(
+        self, requests: Sequence[TurnRequest], greedy: bool = False
+    ) -> list[TurnSample]:
+        """One turn per request, each a vLLM request with its own seed.
+
+        Later turns of a trajectory repeat its earlier tokens, which vLLM's prefix cache
+        serves without recomputing them.
+        """
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.continue_turns before setup().")
+        tokens_prompt = importlib.import_module("vllm.inputs").TokensPrompt
+        prompts = [tokens_prompt(prompt_token_ids=list(r.context)) for r in requests]
+        params = [self.sampling_params(r.seed, greedy, r.max_new_tokens) for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            if self.eos_token_id in tokens:
+                tokens = tokens[: tokens.index(self.eos_token_id) + 1]
+            if completion.logprobs is None or len(completion.logprobs) < len(tokens):
+                raise RuntimeError("vLLM returned no log-probability for some sampled tokens")
+            picked = tuple(
+                float(entry[t].logprob)
+                for entry, t in zip(completion.logprobs[: len(tokens)], tokens, strict=True)
+            )
+            ended = bool(tokens) and tokens[-1] == self.eos_token_id
+            samples.append(TurnSample(tuple(tokens), picked, ended))
+        return samples
 
     def _sample(
         self, prompt: list[int], completion: Any

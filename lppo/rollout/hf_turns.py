@@ -1,0 +1,112 @@
+"""Per-request seeded decoding for the Hugging Face engine's multi-turn continuation.
+
+``generate`` samples a whole batch from one global RNG, so a row's tokens depend on which
+other rows share its batch. A multi-turn trajectory must not (its turns are batched with
+whatever other episodes are still running), so this loop samples each request from its own
+``torch.Generator`` seeded with the request's seed: a request's turn depends only on its
+context, its seed and the weights (up to the float round-off of batched attention). The
+scores are processed as ``generate`` samples them (temperature, then top-k, then top-p, with
+``transformers``' own warpers), and the log-probabilities are those of the processed
+distribution, like the single-turn engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import transformers
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from lppo.rollout.base import RolloutSettings
+from lppo.rollout.turns import TurnRequest, TurnSample
+
+
+def warpers(sampling: RolloutSettings, greedy: bool) -> LogitsProcessorList:
+    """The score processors of sampling (none for greedy decoding), in ``generate``'s order."""
+    out = LogitsProcessorList()
+    if greedy:
+        return out
+    if sampling.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        out.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        out.append(TopPLogitsWarper(sampling.top_p))
+    return out
+
+
+@torch.no_grad()
+def sample_turns(
+    model: transformers.PreTrainedModel,
+    requests: Sequence[TurnRequest],
+    sampling: RolloutSettings,
+    eos_token_id: int,
+    pad_token_id: int,
+    greedy: bool = False,
+) -> list[TurnSample]:
+    """One turn per request: a left-padded batch decoded with a KV cache, one seed per row.
+
+    Args:
+        model: the causal LM (in eval mode).
+        requests: the contexts to continue (at least one).
+        sampling: temperature, top-k and top-p.
+        eos_token_id: the end-of-turn token (a row stops after it).
+        pad_token_id: fills the left padding.
+        greedy: argmax decoding.
+
+    Returns:
+        One :class:`TurnSample` per request, in order.
+    """
+    device = model.device
+    width = max(len(r.context) for r in requests)
+    ids = torch.full((len(requests), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(requests), width), dtype=torch.int64)
+    for b, request in enumerate(requests):
+        ids[b, width - len(request.context) :] = torch.tensor(request.context)
+        mask[b, width - len(request.context) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    process = warpers(sampling, greedy)
+    generators = [torch.Generator().manual_seed(r.seed) for r in requests]
+    tokens: list[list[int]] = [[] for _ in requests]
+    logprobs: list[list[float]] = [[] for _ in requests]
+    ended = [False] * len(requests)
+    active = [True] * len(requests)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    for _ in range(max(r.max_new_tokens for r in requests)):
+        scores = process(ids, out.logits[:, -1, :].float())
+        logp = torch.log_softmax(scores, dim=-1).cpu()
+        picked = [pad_token_id] * len(requests)
+        for b, request in enumerate(requests):
+            if not active[b]:
+                continue
+            if greedy:
+                token = int(logp[b].argmax())
+            else:
+                token = int(torch.multinomial(logp[b].exp(), 1, generator=generators[b]))
+            picked[b] = token
+            tokens[b].append(token)
+            logprobs[b].append(float(logp[b, token]))
+            ended[b] = token == eos_token_id
+            active[b] = not ended[b] and len(tokens[b]) < request.max_new_tokens
+        if not any(active):
+            break
+        step = torch.tensor(picked, dtype=torch.int64, device=device)[:, None]
+        mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(
+            input_ids=step,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+    return [
+        TurnSample(tuple(t), tuple(p), e) for t, p, e in zip(tokens, logprobs, ended, strict=True)
+    ]
