@@ -2,8 +2,10 @@
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
 [--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]
-[--lora]`` (with ``N > 0`` the task's reward is pass/fail, :class:`_builders.ThresholdCopyTask`,
-so groups are dropped and refilled; ``--lora`` trains LoRA adapters on actor and critic);
+[--lora] [--multi-turn]`` (with ``N > 0`` the task's reward is pass/fail,
+:class:`_builders.ThresholdCopyTask`, so groups are dropped and refilled; ``--lora`` trains LoRA
+adapters on actor and critic; ``--multi-turn`` rolls out two-turn hidden-digit episodes with a
+per-turn reward);
 with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
@@ -34,6 +36,7 @@ from _builders import ThresholdCopyTask
 
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
+from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
@@ -41,9 +44,10 @@ from lppo.modules import ActorModule, CriticModule
 from lppo.modules.lora import LoRA
 from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
+from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
 from lppo.strategy import PPODDPStrategy
 from lppo.system import PPOSystem, RolloutSettings
-from lppo.tasks import CopyTask
+from lppo.tasks import CopyTask, Task
 from lppo.trainer import PPOTrainer
 
 ITERATIONS = 2
@@ -140,6 +144,19 @@ def tq_state(store: Any) -> dict[str, Any]:
     }
 
 
+def task(args: argparse.Namespace) -> Task:
+    if args.multi_turn:
+        return HiddenDigitTask()
+    return ThresholdCopyTask(0.5) if args.dynamic_sampling_rounds else CopyTask()
+
+
+def engine(args: argparse.Namespace) -> RolloutEngine:
+    if not args.multi_turn:
+        return HFGenerateEngine()
+    environment = HiddenDigitEnvironment(call_reward=0.25)
+    return MultiTurnEngine(HFGenerateEngine(), environment, max_turns=2, max_tokens=12)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, required=True)
@@ -151,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on actor and critic")
+    parser.add_argument("--multi-turn", action="store_true", help="hidden-digit episodes")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     lora = LoRA(r=4, alpha=8) if args.lora else None
@@ -158,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     system = PerturbedOnOtherRanks(
         actor=ActorModule(spec(0, args.dtype), lr=3e-3, lora=lora),
         critic=CriticModule(spec(1, args.dtype), lr=3e-3, lora=lora),
-        task=ThresholdCopyTask(0.5) if args.dynamic_sampling_rounds else CopyTask(),
+        task=task(args),
+        engine=engine(args),
         rollout=RolloutSettings(
             prompts_per_iteration=PROMPTS,
             samples_per_prompt=3,

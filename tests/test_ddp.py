@@ -321,6 +321,30 @@ def test_two_processes_with_dynamic_sampling_keep_one_process_groups(tmp_path):
 
 
 @pytest.mark.distributed
+def test_two_processes_with_multi_turn_rows_train_like_one(tmp_path):
+    """Multi-turn trajectories (a call, an observation, the answer; a per-turn reward) are the
+    same whichever rank runs their block, and the run equals one process (float64)."""
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    single.mkdir()
+    dp.mkdir()
+    jobs = [
+        [str(WORKER), "--devices=2", f"--out={dp}", "--dtype=float64", "--multi-turn"],
+        [str(WORKER), "--devices=1", f"--out={single}", "--dtype=float64", "--multi-turn"],
+    ]
+    finish_all([start(args, tmp_path) for args in jobs], jobs)
+    one = json.loads((single / "rank0.json").read_text())
+    ranks = [json.loads((dp / f"rank{r}.json").read_text()) for r in range(2)]
+    for it in range(2):
+        parts = [ranks[r]["rollouts"][it]["prompts"] for r in range(2)]
+        assert parts[0] + parts[1] == one["rollouts"][it]["prompts"]
+    want = torch.load(single / "state0.pt")
+    for r in range(2):
+        got = torch.load(dp / f"state{r}.pt")
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.distributed
 def test_two_processes_train_lora_adapters_like_one(tmp_path):
     """LoRA actor and critic under ppo_ddp: rank 0's frozen base weights reach every rank (rank
     1 built perturbed ones), only adapters and the value head move, and the run equals one
