@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from lppo.rollout.base import RolloutSettings
+from lppo.rollout.hf_prefill import cache_keyword
 from lppo.rollout.turns import TurnRequest, TurnSample
 
 
@@ -100,12 +101,9 @@ def sample_turns(
         step = torch.tensor(picked, dtype=torch.int64, device=device)[:, None]
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
         positions = positions[:, -1:] + 1
+        kwargs = {cache_keyword(model): out.past_key_values}
         out = model(
-            input_ids=step,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=out.past_key_values,
-            use_cache=True,
+            input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         )
     return [
         TurnSample(tuple(t), tuple(p), e) for t, p, e in zip(tokens, logprobs, ended, strict=True)
