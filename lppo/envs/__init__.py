@@ -1,0 +1,1 @@
+"""Environments for multi-turn rollouts: what answers the policy between its turns."""
