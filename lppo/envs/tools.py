@@ -213,6 +213,11 @@ class ToolBox:
     below the box's, so that it reports its own timeout and the worker survives; the box's
     timeout is the backstop for tools that hang.
 
+    As with any ``spawn``/``forkserver`` process, the worker imports the caller's main module
+    (as ``__mp_main__``): a script that builds a box must keep its work under
+    ``if __name__ == "__main__":``. The first start in a process warms the fork server (it
+    imports lppo and torch once, seconds); later starts and restarts take milliseconds.
+
     Args:
         tools: functions (typed, Google docstrings) or picklable callable objects with a
             ``name`` (and optionally a ``schema``); module-level, so the worker can unpickle them.
