@@ -2,12 +2,25 @@
 
 from lppo.envs.base import Environment, Episode, Observation, Turn
 from lppo.envs.hidden_digit import HiddenDigitEnvironment, HiddenDigitTask
+from lppo.envs.python_tool import PythonTool, run_python
+from lppo.envs.templates import HERMES_CHATML
+from lppo.envs.tool_env import ToolEnvironment
+from lppo.envs.tools import ToolBox, ToolCall, ToolResult, format_tool_call, parse_tool_calls
 
 __all__ = [
+    "HERMES_CHATML",
     "Environment",
     "Episode",
     "HiddenDigitEnvironment",
     "HiddenDigitTask",
     "Observation",
+    "PythonTool",
+    "ToolBox",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolResult",
     "Turn",
+    "format_tool_call",
+    "parse_tool_calls",
+    "run_python",
 ]

@@ -1,0 +1,158 @@
+"""``ToolEnvironment``: the policy calls Python tools through its chat template.
+
+The episode opens with the prompt as a user turn, rendered by the chat template with the
+tools' JSON schemas (``apply_chat_template(messages, tools=...)``). A policy turn holding
+``<tool_call>{json}</tool_call>`` blocks (the Hermes / Qwen format) is answered with the
+tools' results as one templated tool turn, followed by the next assistant header; a turn
+without a call is the final answer, which the task scores. A call to a missing tool,
+malformed JSON, bad arguments or a tool that raises gives the model an error message to read
+(the episode goes on); a tool that hangs is stopped at ``timeout_s``. Tools run in a
+separate worker process (:class:`~lppo.envs.tools.ToolBox`).
+
+The observation's text is the chat template's own rendering of the tool turn: what the
+template writes after the assistant's end-of-turn token when the tool messages are appended
+(so it starts with the template's separator and ends with the next assistant header).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from lppo.envs.base import Episode, Observation, Turn
+from lppo.envs.templates import HERMES_CHATML, renders_tools
+from lppo.envs.tools import ToolBox, ToolResult, parse_tool_calls
+from lppo.tasks.base import Prompt
+from lppo.validation import SettingError
+
+_KEY = "model.engine.init_args.environment.init_args"
+
+
+class _ToolEpisode:
+    """One conversation: the messages so far, rendered by the environment's template."""
+
+    def __init__(self, env: ToolEnvironment, prompt: Prompt) -> None:
+        self.env = env
+        system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+        self.messages: list[dict[str, Any]] = [*system, {"role": "user", "content": prompt.text}]
+
+    def opening(self) -> str | None:
+        return self.env.render(self.messages, generation_prompt=True)
+
+    def step(self, turn: Turn) -> Observation:
+        calls, errors = parse_tool_calls(turn.text)
+        if not calls and not errors:
+            return Observation(done=True)
+        results = [self.env.tools.call(c) for c in calls[: self.env.max_calls_per_turn]]
+        results += [ToolResult("", f"error: {e}", error=True) for e in errors]
+        before = [*self.messages, {"role": "assistant", "content": turn.text}]
+        self.messages = before + [
+            {"role": "tool", "name": r.name, "content": r.content} for r in results
+        ]
+        text = self.env.tool_turn(before, self.messages, turn.ended)
+        return Observation(
+            text=text,
+            tool_calls=len(calls) + len(errors),
+            tool_errors=sum(r.error for r in results),
+            tool_timeouts=sum(r.timed_out for r in results),
+        )
+
+
+class ToolEnvironment:
+    """Tool calling with the Hugging Face chat template and Hermes ``<tool_call>`` blocks.
+
+    Args:
+        tools: the tools, Python functions with type hints and Google-style docstrings (their
+            import paths in YAML, e.g. ``examples.smollm2.calculator.calculator``) or callable
+            objects with a ``name`` and a ``schema`` (``lppo.envs.PythonTool``). They run in a
+            worker process, so they must be importable (module-level).
+        template: ``tokenizer``: the tokenizer's own chat template, which must render
+            ``tools=``; ``hermes``: lppo's ChatML template with Hermes tools
+            (:data:`~lppo.envs.templates.HERMES_CHATML`), for ChatML models whose template
+            ignores tools (SmolLM2-Instruct).
+        system_prompt: a system message opening every conversation (``null``: the
+            template's default).
+        timeout_s: longest a tool call may run before it is stopped (an error observation).
+        max_output_chars: a tool's answer is cut to this many characters.
+        max_calls_per_turn: calls of one turn that are run; the rest are ignored.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Callable[..., Any]],
+        template: Literal["tokenizer", "hermes"] = "tokenizer",
+        system_prompt: str | None = None,
+        timeout_s: float = 10.0,
+        max_output_chars: int = 2000,
+        max_calls_per_turn: int = 4,
+    ) -> None:
+        if template not in ("tokenizer", "hermes"):
+            raise SettingError(f"{_KEY}.template={template!r}: use 'tokenizer' or 'hermes'.")
+        if max_calls_per_turn < 1:
+            raise SettingError(f"{_KEY}.max_calls_per_turn={max_calls_per_turn}: must be >= 1.")
+        self.tools = ToolBox(tools, timeout_s, max_output_chars, key_prefix=_KEY)
+        self.template = template
+        self.system_prompt = system_prompt
+        self.max_calls_per_turn = max_calls_per_turn
+        self._tokenizer: Any = None
+        self._chat_template: str | None = None
+
+    def setup(self, tokenizer: Any) -> None:
+        """Bind the tokenizer and check that its template can render the tools.
+
+        Raises:
+            SettingError: ``template: tokenizer`` with a template that ignores ``tools=``.
+        """
+        if self.template == "hermes":
+            self._chat_template = HERMES_CHATML
+        elif not getattr(tokenizer, "chat_template", None) or not renders_tools(tokenizer):
+            raise SettingError(
+                f"{_KEY}.template=tokenizer but the tokenizer's chat template does not render "
+                "tools=; use template: hermes (ChatML models) or a tokenizer whose template "
+                "renders tools."
+            )
+        if tokenizer.eos_token is None:
+            raise SettingError("ToolEnvironment needs a tokenizer with an end-of-turn (EOS) token")
+        self._tokenizer = tokenizer
+
+    def start(self, prompt: Prompt, seed: int) -> Episode:
+        """A conversation opened by ``prompt`` (tools are deterministic: the seed is unused)."""
+        if self._tokenizer is None:
+            raise RuntimeError("ToolEnvironment.start before setup(tokenizer)")
+        return _ToolEpisode(self, prompt)
+
+    def close(self) -> None:
+        """Stop the tools' worker process; idempotent."""
+        self.tools.close()
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        """``messages`` as the chat template writes them, with the tools' schemas."""
+        return str(
+            self._tokenizer.apply_chat_template(
+                messages,
+                tools=self.tools.schemas,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                chat_template=self._chat_template,
+            )
+        )
+
+    def tool_turn(
+        self, before: list[dict[str, Any]], after: list[dict[str, Any]], ended: bool
+    ) -> str:
+        """What the template writes after the assistant turn of ``before`` to reach ``after``.
+
+        The policy's turn ended at its end-of-turn token (``ended``), which the trajectory
+        already holds; a turn cut short gets that token from the observation instead.
+        """
+        base, full = self.render(before), self.render(after, generation_prompt=True)
+        eos = str(self._tokenizer.eos_token)
+        cut = base.rfind(eos)
+        if cut < 0 or not full.startswith(base[:cut]):
+            raise RuntimeError(
+                "the chat template does not render the assistant turn with the tokenizer's EOS "
+                f"token {eos!r} as its end, or re-renders earlier turns when tool messages are "
+                "appended; multi-turn tool calls need a template that appends turns."
+            )
+        return full[cut + len(eos) if ended else cut :]
