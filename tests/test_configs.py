@@ -61,6 +61,25 @@ def test_objective_config_learns(tmp_path, config):
     assert max(float(r[clip]) for r in rows if r.get(clip)) > 0  # the clip is reached
 
 
+@pytest.mark.slow
+def test_multiturn_config_learns_to_ask_then_answer(tmp_path):
+    """configs/multiturn.yaml: the tiny model learns to call the environment for the hidden
+    digit, then to say it (seed 0, measured 2026-12-03: 0.14 → 0.9 of the episode's return in
+    40 iterations); observation tokens are in every row but never trained on."""
+    run(["fit", "--config", str(ROOT / "configs" / "multiturn.yaml"),
+         "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/reward_mean")]
+    assert len(rows) == 60
+    reward = [float(r["rollout/reward_mean"]) for r in rows]
+    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.4, reward
+    calls = [float(r["rollout/tool_calls_per_episode"]) for r in rows]
+    assert calls[-1] > 0.9 > calls[0]  # every episode asks by the end
+    assert all(float(r["rollout/observation_tokens_per_row"]) > 0 for r in rows[-5:])
+    # the engine's log-probs are the trainer's on every policy token (float32 round-off)
+    assert max(float(r["rollout/mismatch_max_abs_log_ratio"]) for r in rows) < 1e-4
+
+
 def test_kl_in_the_loss_through_the_cli(tmp_path):
     """``kl_loss_coef`` alone builds the reference and logs ``actor/kl_loss``; KL in the reward
     and in the loss run together."""
@@ -99,6 +118,7 @@ def test_every_config_is_exercised():
         "gspo.yaml",
         "lora.yaml",
         "megatron.yaml",
+        "multiturn.yaml",
         "ray_workers.yaml",
         "tiny.yaml",
         "tq.yaml",

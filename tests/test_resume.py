@@ -7,10 +7,12 @@ import torch
 
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
+from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.errors import IterationError
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
+from lppo.rollout import HFGenerateEngine, MultiTurnEngine
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
@@ -33,12 +35,13 @@ def fit(
     lr=3e-3,
     hidden=32,
     engine=None,
+    task=None,
     **ppo,
 ):
     system = PPOSystem(
         actor=ActorModule(spec(0, hidden), lr=lr),
         critic=CriticModule(spec(1), lr=3e-3),
-        task=CopyTask(),
+        task=task or CopyTask(),
         engine=engine,
         rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens=4),
         ppo=PPOConfig(
@@ -93,6 +96,22 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path):
     first = (tmp_path / "split" / "version_0" / "metrics.csv").read_text().splitlines()
     second = (tmp_path / "split" / "version_1" / "metrics.csv").read_text().splitlines()
     assert len(first) > 1 and len(second) > 1
+
+
+def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path):
+    def episodes():
+        env = HiddenDigitEnvironment(call_reward=0.25)
+        return {
+            "engine": MultiTurnEngine(HFGenerateEngine(), env, max_turns=2, max_tokens=12),
+            "task": HiddenDigitTask(),
+        }
+
+    _, straight = fit(tmp_path / "straight", 3, **episodes())
+    fit(tmp_path / "split", 2, **episodes())
+    _, resumed = fit(tmp_path / "split", 3, ckpt_path="last", **episodes())
+    assert_same(params(straight), params(resumed))
+    log = (tmp_path / "straight" / "version_0" / "metrics.csv").read_text()
+    assert "rollout/tool_calls_per_episode" in log
 
 
 def test_crash_mid_iteration_restarts_that_iteration(tmp_path):

@@ -29,18 +29,22 @@ class HiddenDigitTask(Task):
 
     Args:
         prompt: the prompt text (the same for every episode; only the digit differs).
+        num_digits: the digit is drawn from ``0 … num_digits - 1`` (a guess is right with
+            probability ``1 / num_digits``).
     """
 
     name = "hidden_digit"
 
-    def __init__(self, prompt: str = "d:") -> None:
+    def __init__(self, prompt: str = "d:", num_digits: int = 10) -> None:
         if not prompt:
             raise ValueError("model.task.init_args.prompt must not be empty")
+        check_number("model.task.init_args.num_digits", num_digits, integer=True, low=2, high=10)
         self.prompt = prompt
+        self.digits = DIGITS[:num_digits]
 
     def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
         """``n`` prompts, each hiding a uniformly drawn digit (its ``answer``)."""
-        return [Prompt(self.prompt, generator.choice(DIGITS)) for _ in range(n)]
+        return [Prompt(self.prompt, generator.choice(self.digits)) for _ in range(n)]
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         """1 for exactly the digit, 0.5 for an answer that starts with it, else 0."""

@@ -101,7 +101,8 @@ def sample_turns(
         step = torch.tensor(picked, dtype=torch.int64, device=device)[:, None]
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
         positions = positions[:, -1:] + 1
-        kwargs = {cache_keyword(model): out.past_key_values}
+        keyword = cache_keyword(model)
+        kwargs = {keyword: out[keyword]}  # the output names the cache as the input does
         out = model(
             input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         )
