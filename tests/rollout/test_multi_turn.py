@@ -1,7 +1,8 @@
-"""``MultiTurnEngine``: trajectories, masks, turn rewards, seeds and limits (Hugging Face engine)."""
+"""``MultiTurnEngine`` on the Hugging Face engine: trajectories, masks, rewards, seeds, limits."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -73,7 +74,7 @@ def test_rows_hold_the_whole_trajectory_and_mask_only_the_policy_turns(model):
         assert not mask[:p].any() and turns[0][0] == p
         assert torch.all(lp[~mask] == 0) and torch.all(lp[mask] < 0)
         # between two policy turns: exactly the observation "<digit>>" (never trained on)
-        for (_, end), (start, _) in zip(turns, turns[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(turns):
             assert TOK.decode(ids[end:start].tolist()) == digit + ">"
             calls += 1
         # the turn reward sits on the last token of each call turn
