@@ -34,7 +34,8 @@ class _ToolEpisode:
     def __init__(self, env: ToolEnvironment, prompt: Prompt) -> None:
         self.env = env
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-        self.messages: list[dict[str, Any]] = [*system, {"role": "user", "content": prompt.text}]
+        user = {"role": "user", "content": prompt.text}
+        self.messages: list[dict[str, Any]] = [*system, *env.few_shot, user]
 
     def opening(self) -> str | None:
         return self.env.render(self.messages, generation_prompt=True)
@@ -72,6 +73,9 @@ class ToolEnvironment:
             ignores tools (SmolLM2-Instruct).
         system_prompt: a system message opening every conversation (``null``: the
             template's default).
+        few_shot: messages placed before the prompt's user turn in every conversation (a
+            worked exchange: ``user``, ``assistant`` with a ``<tool_call>`` block, ``tool``,
+            ``assistant``), which small models need to see the call format used once.
         timeout_s: longest a tool call may run before it is stopped (an error observation).
         max_output_chars: a tool's answer is cut to this many characters.
         max_calls_per_turn: calls of one turn that are run; the rest are ignored.
@@ -82,6 +86,7 @@ class ToolEnvironment:
         tools: Sequence[Callable[..., Any]],
         template: Literal["tokenizer", "hermes"] = "tokenizer",
         system_prompt: str | None = None,
+        few_shot: list[dict[str, str]] | None = None,
         timeout_s: float = 10.0,
         max_output_chars: int = 2000,
         max_calls_per_turn: int = 4,
@@ -93,6 +98,12 @@ class ToolEnvironment:
         self.tools = ToolBox(tools, timeout_s, max_output_chars, key_prefix=_KEY)
         self.template = template
         self.system_prompt = system_prompt
+        self.few_shot = [dict(m) for m in few_shot or []]
+        for i, message in enumerate(self.few_shot):
+            if set(message) - {"role", "content", "name"} or "role" not in message:
+                raise SettingError(
+                    f"{_KEY}.few_shot[{i}]={message!r}: a message has a 'role' and a 'content'."
+                )
         self.max_calls_per_turn = max_calls_per_turn
         self._tokenizer: Any = None
         self._chat_template: str | None = None

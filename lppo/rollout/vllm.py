@@ -149,6 +149,12 @@ class VLLMEngine(RecordsInitArgs):
         # The in-memory sync hands tensors to the worker: keep it in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        kwargs = dict(self.engine_kwargs)
+        if not torch.cuda.is_available():
+            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded
+            # request's prefill is split over steps, which long multi-turn contexts trigger;
+            # engine_kwargs may still turn it back on.
+            kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = vllm.LLM(
             model=self._dir,
             skip_tokenizer_init=True,
@@ -159,7 +165,7 @@ class VLLMEngine(RecordsInitArgs):
             enforce_eager=self.enforce_eager,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
-            **self.engine_kwargs,
+            **kwargs,
         )
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op, for a
         # worker process whose cores it bound. In this process (the trainer's, or lppo's

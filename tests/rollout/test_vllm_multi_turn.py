@@ -31,10 +31,14 @@ OBSERVATION = "ab="
 class ThreeTurns:
     """Answers every turn with ``"ab="`` (a turn reward of 0.5); done after the third turn."""
 
+    turns = 3
+
     def setup(self, tokenizer) -> None:
         pass
 
     def start(self, prompt, seed):
+        last = self.turns
+
         class Episode:
             turns = 0
 
@@ -43,7 +47,7 @@ class ThreeTurns:
 
             def step(self, turn: Turn) -> Observation:
                 self.turns += 1
-                return Observation(OBSERVATION, reward=0.5, done=self.turns == 3)
+                return Observation(OBSERVATION, reward=0.5, done=self.turns == last)
 
         return Episode()
 
@@ -56,7 +60,7 @@ def setup():
     tokenizer = build_char_tokenizer(CopyTask().vocabulary())
     policy = build_policy(tokenizer)
     engine = MultiTurnEngine(
-        VLLMEngine(dtype="float32", max_model_len=64), ThreeTurns(), max_turns=3, max_tokens=40
+        VLLMEngine(dtype="float32", max_model_len=64), ThreeTurns(), max_turns=5, max_tokens=60
     )
     engine.setup(policy, tokenizer, RolloutSettings(max_new_tokens=6, temperature=0.8))
     yield engine, policy, tokenizer
@@ -92,3 +96,18 @@ def test_vllm_trajectories_do_not_depend_on_the_other_requests(setup):
     first = engine.generate(prompts[:1], samples_per_prompt=2, seed=9)
     for a, b in zip(first.input_ids, both.input_ids[:2], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.vllm
+def test_many_long_seeded_turns_do_not_trip_vllm_s_chunked_prefill(setup):
+    """Later turns of 128 trajectories prefill more tokens than one vLLM step takes on CPU; a
+    seeded request whose prefill is chunked crashes vLLM 0.32 there ("CPU Generator does not
+    use offset"), so the engine turns chunked prefill off on CPU."""
+    engine, _, _ = setup
+    engine.environment.turns = 5
+    try:
+        out = engine.generate(CopyTask().sample_prompts(8, random.Random(2)), 16, seed=4)
+    finally:
+        engine.environment.turns = 3
+    assert out.episodes.turns == 5 * 128
+    assert max(len(x) for x in out.input_ids) > 32
