@@ -216,3 +216,33 @@ def test_fit_trains_the_pretrained_model(
     assert all(torch.isfinite(v).all() for v in trained.values())
     backbone = system.critic.backbone.state_dict()
     assert not torch.equal(start["model.norm.weight"], backbone["norm.weight"])
+
+
+@needs_model
+@pytest.mark.slow
+def test_multiturn_example_calls_the_calculator(
+    converted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/smollm2/multiturn.yaml for one small iteration: the model's calls reach the
+    calculator (in the tool worker), its answers come back as masked tool turns."""
+    from lppo.cli import run
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))  # smollm2_task and the calculator tool
+    config = yaml.safe_load((EXAMPLE / "multiturn.yaml").read_text())
+    config["trainer"].update(max_epochs=1, default_root_dir=str(tmp_path / "run"))
+    model = config["model"]
+    model["tokenizer_path"] = str(converted)
+    model["actor"]["init_args"]["model"]["init_args"]["pretrained_path"] = str(converted)
+    model["rollout"].update(prompts_per_iteration=2, samples_per_prompt=2)
+    path = tmp_path / "multiturn.yaml"
+    path.write_text(yaml.safe_dump(config))
+    threads = torch.get_num_threads()
+    try:
+        cli = run(["fit", "--config", str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    with (Path(cli.trainer.logger.log_dir) / "metrics.csv").open() as f:
+        [row] = [r for r in csv.DictReader(f) if r.get("rollout/reward_mean")]
+    assert float(row["rollout/tool_calls_per_episode"]) >= 1  # the prefix opens a call
+    assert float(row["rollout/observation_tokens_per_row"]) > 0
+    assert float(row["rollout/turns_per_episode"]) >= 2

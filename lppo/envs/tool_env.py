@@ -36,17 +36,19 @@ class _ToolEpisode:
         system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
         user = {"role": "user", "content": prompt.text}
         self.messages: list[dict[str, Any]] = [*system, *env.few_shot, user]
+        self.prefix = env.assistant_prefix  # opens the first turn only
 
     def opening(self) -> str | None:
-        return self.env.render(self.messages, generation_prompt=True)
+        return self.env.render(self.messages, generation_prompt=True) + self.prefix
 
     def step(self, turn: Turn) -> Observation:
-        calls, errors = parse_tool_calls(turn.text)
+        text, self.prefix = self.prefix + turn.text, ""
+        calls, errors = parse_tool_calls(text)
         if not calls and not errors:
             return Observation(done=True)
         results = [self.env.tools.call(c) for c in calls[: self.env.max_calls_per_turn]]
         results += [ToolResult("", f"error: {e}", error=True) for e in errors]
-        before = [*self.messages, {"role": "assistant", "content": turn.text}]
+        before = [*self.messages, {"role": "assistant", "content": text}]
         self.messages = before + [
             {"role": "tool", "name": r.name, "content": r.content} for r in results
         ]
@@ -76,6 +78,10 @@ class ToolEnvironment:
         few_shot: messages placed before the prompt's user turn in every conversation (a
             worked exchange: ``user``, ``assistant`` with a ``<tool_call>`` block, ``tool``,
             ``assistant``), which small models need to see the call format used once.
+        assistant_prefix: text that opens the first assistant turn, in the prompt (never
+            trained on), read as the start of that turn: e.g. ``<tool_call>`` and the start of
+            a call's JSON, so a model that never calls on its own starts with a call and
+            learns to complete it.
         timeout_s: longest a tool call may run before it is stopped (an error observation).
         max_output_chars: a tool's answer is cut to this many characters.
         max_calls_per_turn: calls of one turn that are run; the rest are ignored.
@@ -87,6 +93,7 @@ class ToolEnvironment:
         template: Literal["tokenizer", "hermes"] = "tokenizer",
         system_prompt: str | None = None,
         few_shot: list[dict[str, str]] | None = None,
+        assistant_prefix: str = "",
         timeout_s: float = 10.0,
         max_output_chars: int = 2000,
         max_calls_per_turn: int = 4,
@@ -105,6 +112,7 @@ class ToolEnvironment:
                     f"{_KEY}.few_shot[{i}]={message!r}: a message has a 'role' and a 'content'."
                 )
         self.max_calls_per_turn = max_calls_per_turn
+        self.assistant_prefix = assistant_prefix
         self._tokenizer: Any = None
         self._chat_template: str | None = None
 

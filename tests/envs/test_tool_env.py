@@ -109,3 +109,22 @@ def test_the_parser_reads_what_the_template_renders():
     assistant = text.rsplit("<|im_start|>assistant\n", 1)[1]
     assert parse_tool_calls(assistant) == ([call], [])
     env.close()
+
+
+def test_few_shot_messages_and_an_assistant_prefix_open_the_conversation():
+    tok = _tiny_tokenizer()
+    prefix = '<tool_call>\n{"name": "add", "arguments": {"a": '
+    shot = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    env = ToolEnvironment([add], template="hermes", few_shot=shot, assistant_prefix=prefix)
+    env.setup(tok)
+    episode = env.start(PROMPT, seed=0)
+    opening = episode.opening()
+    assert opening.endswith("<|im_start|>assistant\n" + prefix)
+    assert opening.index("1+1?") < opening.index("2<|im_end|>") < opening.index(PROMPT.text)
+    # the prefix is read as the start of the first turn (only): the call completes it
+    obs = episode.step(turn('2, "b": 3}}\n</tool_call>'))
+    assert obs.tool_calls == 1 and obs.tool_errors == 0, obs
+    assert episode.step(turn("5")).done
+    env.close()
+    with pytest.raises(SettingError, match=r"few_shot\[0\]"):
+        ToolEnvironment([add], few_shot=[{"content": "no role"}])
