@@ -17,7 +17,7 @@ from lppo.rollout.hf_prefill import (
     prefill_pieces,
     prefilled_cache,
 )
-from lppo.rollout.hf_turns import sample_turns
+from lppo.rollout.hf_turns import continue_turns
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
 from lppo.validation import check_number
@@ -253,31 +253,20 @@ class HFGenerateEngine(RecordsInitArgs):
     def continue_turns(
         self, requests: Sequence[TurnRequest], greedy: bool = False
     ) -> list[TurnSample]:
-        """One turn per request, each from its own seed (:mod:`lppo.rollout.hf_turns`).
+        """One turn per request, each from its own seed.
 
-        Requests are decoded ``batch_size`` at a time (sorted by context length with
-        ``sort_by_length``); a request's turn does not depend on the others. ``prefill_tokens``
-        and ``cache`` do not apply (a dynamic cache, one-pass prefill).
+        See :func:`~lppo.rollout.hf_turns.continue_turns`: ``batch_size`` and
+        ``sort_by_length`` apply; ``prefill_tokens`` and ``cache`` do not.
         """
-        order = list(range(len(requests)))
-        if self.sort_by_length:
-            order.sort(key=lambda r: len(requests[r].context))
-        step = self.batch_size or max(len(requests), 1)
-        placed: list[TurnSample | None] = [None] * len(requests)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for start in range(0, len(order), step):
-                part = order[start : start + step]
-                batch = [requests[r] for r in part]
-                samples = sample_turns(
-                    self.model, batch, self.sampling, self.eos_token_id, self.pad_token_id, greedy
-                )
-                for r, sample in zip(part, samples, strict=True):
-                    placed[r] = sample
-        finally:
-            self.model.train(was_training)
-        return [x for x in placed if x is not None]
+        return continue_turns(
+            self.model,
+            requests,
+            self.sampling,
+            (self.eos_token_id, self.pad_token_id),
+            self.batch_size,
+            self.sort_by_length,
+            greedy,
+        )
 
     @torch.no_grad()
     def generate(

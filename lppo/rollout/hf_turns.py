@@ -109,3 +109,46 @@ def sample_turns(
     return [
         TurnSample(tuple(t), tuple(p), e) for t, p, e in zip(tokens, logprobs, ended, strict=True)
     ]
+
+
+def continue_turns(
+    model: transformers.PreTrainedModel,
+    requests: Sequence[TurnRequest],
+    sampling: RolloutSettings,
+    special: tuple[int, int],
+    batch_size: int | None,
+    sort_by_length: bool,
+    greedy: bool,
+) -> list[TurnSample]:
+    """:func:`sample_turns` over ``requests`` in batches, with the model in eval mode.
+
+    Args:
+        model: the causal LM (its train/eval mode is restored afterwards).
+        requests: the contexts to continue.
+        sampling: temperature, top-k and top-p.
+        special: ``(eos_token_id, pad_token_id)``.
+        batch_size: most requests per batch (``None``: all at once).
+        sort_by_length: batch requests of similar context length together; a request's turn
+            does not depend on its batch, so this changes only the padding.
+        greedy: argmax decoding.
+
+    Returns:
+        One :class:`TurnSample` per request, in order.
+    """
+    order = list(range(len(requests)))
+    if sort_by_length:
+        order.sort(key=lambda r: len(requests[r].context))
+    step = batch_size or max(len(requests), 1)
+    placed: list[TurnSample | None] = [None] * len(requests)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), step):
+            part = order[start : start + step]
+            batch = [requests[r] for r in part]
+            samples = sample_turns(model, batch, sampling, *special, greedy=greedy)
+            for r, sample in zip(part, samples, strict=True):
+                placed[r] = sample
+    finally:
+        model.train(was_training)
+    return [x for x in placed if x is not None]
