@@ -23,7 +23,8 @@ from torch import nn
 from lppo.modules.lifecycle import ChunkResult
 from lppo.modules.megatron.convert import split_dim
 from lppo.parallel import ParallelContext
-from lppo.types import Chunk, StepPlan
+from lppo.types import Chunk
+from lppo.validation import SettingError
 
 
 class MegatronOptimizerAdapter(torch.optim.Optimizer):
@@ -108,6 +109,23 @@ class MegatronLifecycle:
 
     @parallel.setter
     def parallel(self, ctx: ParallelContext) -> None:
+        """Take the controller's groups (at setup); data-parallel sizes must agree.
+
+        Raises:
+            SettingError: lppo's data-parallel ranks are not megatron-core's (tensor
+                parallelism over several processes of ``lppo fit``), naming the keys.
+        """
+        built = getattr(getattr(self, "spec", None), "context", None)  # None before the build
+        mine, megatron = ctx.data.size, built.data.size if built is not None else ctx.data.size
+        if mine != megatron:
+            tp = self.spec.tensor_parallel_size
+            raise SettingError(
+                f"{self.config_key}.model.init_args.tensor_parallel_size={tp}: lppo trains over "
+                f"{mine} data-parallel rank(s) (trainer.devices x trainer.num_nodes) but "
+                f"megatron-core's data-parallel group has {megatron}. Tensor parallelism over "
+                "the processes of lppo fit is not supported yet: set tensor_parallel_size: 1, "
+                "or run tensor parallelism in one data-parallel replica of your own launcher."
+            )
         self.__dict__["_lppo_parallel"] = ctx
 
     def _use_megatron_optimizer(self) -> bool:
@@ -144,17 +162,6 @@ class MegatronLifecycle:
         return self.optimizer
 
     # --------------------------------------------------------------- lifecycle
-    def begin(self, plan: StepPlan) -> None:
-        """Open a step (see :meth:`PPOModule.begin`); data-parallel sizes must agree."""
-        mine, megatron = self.parallel.data.size, self.spec.context.data.size
-        if mine != megatron:
-            raise ValueError(
-                f"{self.role}: lppo trains over {mine} data-parallel ranks but megatron-core's "
-                f"data-parallel group has {megatron} (tensor_parallel_size="
-                f"{self.spec.tensor_parallel_size}); give both the same ranks."
-            )
-        super().begin(plan)  # type: ignore[misc]
-
     def train_chunk(self, chunk: Chunk) -> ChunkResult:
         """Accumulate one chunk into megatron's grad buffer, with no data-parallel sync."""
         with self.ddp.no_sync():

@@ -271,3 +271,15 @@ def test_no_data_parallel_sync_before_finish_and_exactly_one_in_it():
     assert calls == []
     module.finish()
     assert calls == ["start"] * len(module.ddp.bucket_groups)
+
+
+def test_data_parallel_groups_that_differ_from_megatron_s_are_refused_at_setup():
+    """Megatron's data-parallel group must be lppo's; checked when the controller hands the
+    module its groups (setup), not at the first step after a rollout."""
+    from lppo.parallel import ParallelContext, ProcessGroup
+    from lppo.validation import SettingError
+
+    module = make("actor")
+    with pytest.raises(SettingError, match=r"model\.actor\.init_args\.model\.init_args\.tensor"):
+        module.parallel = ParallelContext(data=ProcessGroup(size=2, rank=0))
+    module.parallel = ParallelContext()  # megatron's own data-parallel size: accepted
