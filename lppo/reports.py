@@ -10,9 +10,24 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import Self, TypeVar
 
-_Report = TypeVar("_Report", "SamplingReport", "EpisodeReport")
+
+class Counts:
+    """A dataclass of counts that add up field by field (over parts, over ranks)."""
+
+    def merged(self, other: Self | None) -> Self:
+        """The sum of both reports (``other`` ``None``: this one)."""
+        if other is None:
+            return self
+        return type(self)(*(a + b for a, b in zip(self.counts(), other.counts(), strict=True)))
+
+    def counts(self) -> tuple[float, ...]:
+        """Every field, in order (all-reduced as one tensor)."""
+        return tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
+
+
+_Report = TypeVar("_Report", bound=Counts)
 
 
 def merge_reports(reports: Sequence[_Report | None]) -> _Report | None:
@@ -21,7 +36,7 @@ def merge_reports(reports: Sequence[_Report | None]) -> _Report | None:
 
 
 @dataclass
-class SamplingReport:
+class SamplingReport(Counts):
     """What dynamic sampling (``model.rollout.dynamic_sampling_rounds``) did on one rank.
 
     Attributes:
@@ -42,16 +57,6 @@ class SamplingReport:
     first_reward_sum: float = 0.0
     first_samples: int = 0
 
-    def merged(self, other: SamplingReport | None) -> SamplingReport:
-        """The sum of both reports (``other`` ``None``: this one)."""
-        if other is None:
-            return self
-        return SamplingReport(*(a + b for a, b in zip(self.counts(), other.counts(), strict=True)))
-
-    def counts(self) -> tuple[float, ...]:
-        """Every field, in order."""
-        return tuple(getattr(self, f.name) for f in fields(self))
-
     def metrics(self) -> dict[str, float]:
         """The counts, and ``sampled_reward_mean``.
 
@@ -70,7 +75,7 @@ class SamplingReport:
 
 
 @dataclass
-class EpisodeReport:
+class EpisodeReport(Counts):
     """What the multi-turn rollouts (:class:`~lppo.rollout.MultiTurnEngine`) did on one rank.
 
     Attributes:
@@ -95,16 +100,6 @@ class EpisodeReport:
     observation_tokens: int = 0
     truncated_by_turns: int = 0
     truncated_by_tokens: int = 0
-
-    def merged(self, other: EpisodeReport | None) -> EpisodeReport:
-        """The sum of both reports (``other`` ``None``: this one)."""
-        if other is None:
-            return self
-        return EpisodeReport(*(a + b for a, b in zip(self.counts(), other.counts(), strict=True)))
-
-    def counts(self) -> tuple[float, ...]:
-        """Every field, in order."""
-        return tuple(getattr(self, f.name) for f in fields(self))
 
     def metrics(self) -> dict[str, float]:
         """Per-episode means and fractions (NaN without episodes).

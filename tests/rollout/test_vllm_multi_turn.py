@@ -6,24 +6,18 @@ Marked ``vllm``: they run in the vLLM virtual environment (``bash .ci/vllm``).
 from __future__ import annotations
 
 import gc
-import os
 import random
 
 import pytest
 import torch
+
+# test_vllm sets the vLLM environment variables when imported
 from test_vllm import LOGPROB_BOUND, build_policy, trainer_logprobs
 
 from lppo.envs.base import Observation, Turn
 from lppo.rollout import MultiTurnEngine, RolloutSettings, VLLMEngine
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
-
-for key, value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(key, value)
 
 OBSERVATION = "ab="
 
