@@ -217,9 +217,11 @@ def test_rows_put_by_the_workers_equal_the_trainers_put(workers, rank):
         # The trainer got ids and per-row scalars, never the samples' tensors ...
         assert isinstance(got, StoredRollout)
         assert {f.name for f in dataclasses.fields(got)} == {
-            "row_ids", "reward", "response_tokens", "bad_rewards", "dropped", "sampling"
+            "row_ids", "reward", "response_tokens", "bad_rewards", "dropped", "sampling",
+            "episodes",
         }  # fmt: skip
         assert got.sampling is None  # dynamic sampling is off (and refused with a writer)
+        assert got.episodes is None  # single-turn rows
         # ... and the rows are in TransferQueue already: the workers put them.
         assert tq_keys(store) == {str(i) for i in got.row_ids}
         assert_same(got, want)
