@@ -50,6 +50,8 @@ class IterationCheckpoint(ModelCheckpoint):
             save_last=save_last,
             save_on_train_epoch_end=True,
             auto_insert_metric_name=False,
+            # last.ckpt is always this run's latest (never a last-v1.ckpt beside another's).
+            enable_version_counter=False,
         )
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:

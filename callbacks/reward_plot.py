@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lppo.hooks import IterationContext, PPOCallback
+from lppo.interrupts import RunInterrupted
 from lppo.types import IterationResult
 
 
@@ -84,11 +85,21 @@ class RewardCurve(PPOCallback):
         if trainer.is_global_zero:
             self.write(path)
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Write the PNG of an interrupted or failed run, its title saying so."""
+        status = "interrupted" if isinstance(exception, RunInterrupted) else "failed"
+        path = self.resolve_path(trainer)
+        self.eval_points = pl_module.run_log.evaluation_points("reward_mean")
+        if trainer.is_global_zero:
+            self.write(path, subtitle=f"run {status}")
+
     # ------------------------------------------------------------------ drawing
-    def write(self, path: str | None = None) -> str:
+    def write(self, path: str | None = None, subtitle: str = "") -> str:
         """Draw the collected points (and :attr:`eval_points`) to ``path`` and return it.
 
-        ``path`` defaults to :attr:`path`.
+        ``path`` defaults to :attr:`path`; ``subtitle`` is appended to the title.
         """
         path = path if path is not None else self._path
         if path is None:
@@ -125,7 +136,7 @@ class RewardCurve(PPOCallback):
             ax.text(0.5, 0.5, "no iterations", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("iteration")
         ax.set_ylabel("reward")
-        ax.set_title(self.title)
+        ax.set_title(f"{self.title} ({subtitle})" if subtitle else self.title)
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks.reward_plot import run_dir
 
 from lppo.hooks import IterationContext, PPOCallback
+from lppo.interrupts import RunInterrupted
 from lppo.run_log import RunLog
 from lppo.types import IterationResult
 from lppo.validation import callback_key, check_number
@@ -21,6 +22,11 @@ from lppo.validation import callback_key, check_number
 def _finite_mean(values: list[float]) -> float | None:
     vals = [v for v in values if math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
+
+
+def _abs(path: str | None) -> str | None:
+    """``path`` made absolute (every path in the summary is), ``None`` for none."""
+    return os.path.realpath(path) if path else None
 
 
 def _json_float(value: float | None) -> float | None:
@@ -61,12 +67,9 @@ class RunSummary(PPOCallback):
         self._start: float | None = None
         self.summary: dict[str, Any] | None = None
         self.path: str | None = None
+        self.resumed_from: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ hooks
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the wall clock."""
-        self._start = time.monotonic()
-
     def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
         """Record the reward of the iteration that just finished (a failed one has none)."""
         if result.failed:
@@ -77,9 +80,40 @@ class RunSummary(PPOCallback):
         self.rewards.append((iteration, reward))
         self.rewards.sort(key=lambda r: r[0])
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the wall clock; note the checkpoint the run resumed from."""
+        self._start = time.monotonic()
+        self.resumed_from = None
+        if trainer.ckpt_path:
+            done = trainer.current_epoch  # iterations the checkpoint had completed
+            self.resumed_from = {"path": os.path.realpath(trainer.ckpt_path), "iteration": done}
+            if trainer.is_global_zero:
+                print(
+                    f"lppo: resumed from {self.resumed_from['path']} after iteration {done}; "
+                    f"continuing with iteration {done + 1}",
+                    flush=True,
+                )
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the summary; rank zero writes ``summary.json`` and prints it."""
+        self.finish(trainer, pl_module, "completed")
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Write the summary of an interrupted (signal) or failed run."""
+        if isinstance(exception, RunInterrupted):
+            self.finish(trainer, pl_module, "interrupted", str(exception))
+        else:
+            self.finish(trainer, pl_module, "failed", f"{type(exception).__name__}: {exception}")
+
+    def finish(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, status: str, reason: str = ""
+    ) -> None:
+        """Build the summary with ``status``; rank zero writes ``summary.json`` and prints it."""
         self.summary = self.build(trainer, pl_module.run_log)
+        self.summary["status"] = status
+        self.summary["reason"] = reason[:500] or None
         if not trainer.is_global_zero:
             return
         self.path = os.path.join(run_dir(trainer), self.filename)
@@ -103,21 +137,22 @@ class RunSummary(PPOCallback):
         loggers = []
         metrics_csv = None
         for logger in trainer.loggers:
-            log_dir = getattr(logger, "log_dir", None) or logger.save_dir
+            log_dir = _abs(getattr(logger, "log_dir", None) or logger.save_dir)
             entry: dict[str, Any] = {"type": type(logger).__name__, "log_dir": log_dir}
             if isinstance(logger, CSVLogger):
-                entry["metrics_csv"] = os.path.join(logger.log_dir, "metrics.csv")
+                entry["metrics_csv"] = _abs(os.path.join(logger.log_dir, "metrics.csv"))
                 metrics_csv = metrics_csv or entry["metrics_csv"]
             loggers.append(entry)
-        curve_path = run_log.files.get("reward_curve")
+        curve_path = _abs(run_log.files.get("reward_curve"))
         ckpt = trainer.checkpoint_callback
         checkpoints = None
         if ckpt is not None:
             checkpoints = {
-                "dirpath": getattr(ckpt, "dirpath", None),
-                "best": getattr(ckpt, "best_model_path", None) or None,
-                "last": getattr(ckpt, "last_model_path", None) or None,
+                "dirpath": _abs(getattr(ckpt, "dirpath", None)),
+                "last": _abs(getattr(ckpt, "last_model_path", None)),
             }
+            if getattr(ckpt, "monitor", None):  # "best" only means something with a monitor
+                checkpoints["best"] = _abs(getattr(ckpt, "best_model_path", None))
         evaluation = {
             prefix: {k: _json_float(float(v)) for k, v in entries[-1].items()}
             for prefix, entries in run_log.evaluations.items()
@@ -134,7 +169,8 @@ class RunSummary(PPOCallback):
             "reward_last_mean": _json_float(_finite_mean(rewards[-self.window :])),
             "window": self.window,
             "wall_seconds": self.wall_seconds(),
-            "run_dir": run_dir(trainer),
+            "run_dir": _abs(run_dir(trainer)),
+            "resumed_from": self.resumed_from,
             "metrics_csv": metrics_csv,
             "loggers": loggers,
             "reward_curve": curve_path,
@@ -150,8 +186,9 @@ class RunSummary(PPOCallback):
             return "n/a" if v is None else f"{v:.4f}"
 
         w = summary["window"]
+        status = summary.get("status", "completed")
         lines = [
-            "lppo run summary",
+            "lppo run summary" + ("" if status == "completed" else f" ({status})"),
             f"  iterations      : {summary['iterations']} (max {summary['max_iterations']})",
             f"  reward          : {num(summary['reward_first'])} → {num(summary['reward_last'])}",
             f"  reward (mean of first/last {w}): {num(summary['reward_first_mean'])} → "
@@ -159,6 +196,12 @@ class RunSummary(PPOCallback):
             f"  wall time       : {summary['wall_seconds']:.1f} s",
             f"  run dir         : {summary['run_dir']}",
         ]
+        if summary.get("reason"):
+            lines.append(f"  stopped         : {summary['reason']}")
+        if summary.get("resumed_from"):
+            done = summary["resumed_from"]
+            after = f"after iteration {done['iteration']}"
+            lines.append(f"  resumed from    : {done['path']} ({after})")
         if summary["metrics_csv"]:
             lines.append(f"  metrics.csv     : {summary['metrics_csv']}")
         for entry in summary["loggers"]:
@@ -175,7 +218,7 @@ class RunSummary(PPOCallback):
         ckpt = summary["checkpoints"]
         if ckpt:
             lines.append(f"  checkpoints     : {ckpt['dirpath']}")
-            if ckpt["best"]:
+            if ckpt.get("best"):
                 lines.append(f"  best checkpoint : {ckpt['best']}")
             if ckpt["last"]:
                 lines.append(f"  last checkpoint : {ckpt['last']}")

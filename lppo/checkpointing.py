@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import glob
 import os
@@ -66,13 +67,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def remove_stale_temporaries(directory: str | None) -> list[str]:
-    """Delete temporary files an interrupted checkpoint write left in ``directory``."""
+    """Delete temporary files an interrupted checkpoint write left in ``directory``.
+
+    Only files whose writer (the pid in the name) is gone: a live process's file is a write
+    in progress.
+    """
     if not directory or not os.path.isdir(directory):
         return []
-    stale = glob.glob(os.path.join(glob.escape(directory), f"*{TMP_MARK}*"))
+    found = glob.glob(os.path.join(glob.escape(directory), f"*{TMP_MARK}*"))
+    stale = [path for path in found if not _writer_alive(path)]
     for path in stale:
-        os.remove(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     return stale
+
+
+def _writer_alive(path: str) -> bool:
+    """Whether the process that writes the temporary file ``path`` still runs."""
+    pid = path.rsplit(TMP_MARK, 1)[1]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
 
 
 def check_checkpoint(path: str) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.trainer import call
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lppo import interrupts
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -44,6 +45,14 @@ class PPOFitLoop(_FitLoop):
     replay that is filled *during* the epoch, so Lightning's ``setup_data`` (which iterates the
     train dataloader before training starts) is skipped.
     """
+
+    def on_run_start(self) -> None:
+        """Start the run; from here SIGTERM / SIGINT interrupt it (:mod:`lppo.interrupts`).
+
+        Installed after setup, so lppo's handlers replace those Ray installs when it starts.
+        """
+        super().on_run_start()
+        interrupts.install()
 
     def setup_data(self) -> None:
         """No Lightning dataloader: the replay data module streams chunks per step."""
@@ -77,8 +86,6 @@ class PPOFitLoop(_FitLoop):
         call._call_lightning_module_hook(trainer, "on_train_epoch_end")
         call._call_callback_hooks(trainer, "on_train_epoch_end", monitoring_callbacks=True)
         self.epoch_progress.increment_completed()
-        if trainer.received_sigterm:
-            raise SIGTERMException
 
 
 def install(trainer: Trainer) -> PPOFitLoop:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -179,11 +181,32 @@ def _single_machine() -> Any:
 
 
 def _init(ray: Any, settings: RaySettings) -> None:
-    if settings.address is not None and not _is_loopback(settings.address):
-        ray.init(**_init_kwargs(settings))
+    with _keep_signal_handlers():
+        if settings.address is not None and not _is_loopback(settings.address):
+            ray.init(**_init_kwargs(settings))
+            return
+        with _single_machine():
+            ray.init(**_init_kwargs(settings))
+
+
+@contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Keep this process's SIGTERM / SIGINT handlers through ``ray.init``.
+
+    ``ray.init`` makes SIGTERM exit the driver at once (``sys.exit(15)``); a run started
+    Ray in the middle of an iteration would then skip lppo's interrupt handling
+    (:mod:`lppo.interrupts`).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    with _single_machine():
-        ray.init(**_init_kwargs(settings))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _init_kwargs(settings: RaySettings) -> dict[str, Any]:

@@ -9,11 +9,12 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
-
 from lppo.callbacks import IterationCheckpoint, defaults
+
 from lppo.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
 from lppo.loop import install
 from lppo.ray_runtime import RaySettings
+from lppo.run_directory import AUTO, LAST, RunDirectory, is_launching_rank_zero
 from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
 
 # The frozen reference policy is in eval mode on purpose.
@@ -52,11 +53,21 @@ class PPOTrainer(Trainer):
             store, Ray rollout workers): a local Ray on loopback started and stopped by lppo
             (``address: null``) or a running cluster to attach to. Applied at setup, before
             any component needs Ray (:func:`lppo.ray_runtime.configure_ray`).
+        overwrite: start a fresh run in a ``default_root_dir`` that holds an earlier run's
+            checkpoints by deleting them (and its metrics, summary and curve) first; without
+            it such a run is refused (:mod:`lppo.run_directory`).
         **kwargs: passed to :class:`lightning.pytorch.Trainer`.
     """
 
-    def __init__(self, *args: Any, ray: RaySettings = RaySettings(), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        ray: RaySettings = RaySettings(),
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.ray = ray
+        self.overwrite = overwrite
         root = kwargs.get("default_root_dir") or os.path.join("runs", "lppo")
         kwargs["default_root_dir"] = root
         # No default in this .get(): jsonargparse resolves `logger` through it, and a default
@@ -87,22 +98,37 @@ class PPOTrainer(Trainer):
         install(self)
 
     def fit(self, *args: Any, ckpt_path: str | None = None, **kwargs: Any) -> None:
-        """``Trainer.fit``; a checkpoint to resume from is checked first (one clear error).
+        """``Trainer.fit`` in a run directory of its own; a checkpoint is checked first.
 
-        ``ckpt_path="last"`` resolves to the iteration checkpoints' ``last.ckpt`` when it
-        exists. Temporary files of an interrupted checkpoint write are removed.
+        The process owning the run directory (the launch's rank zero) locks it for the run
+        and applies its rule (:mod:`lppo.run_directory`): ``ckpt_path="last"`` is the
+        folder's ``last.ckpt`` (an error when there is none), ``"auto"`` is ``last.ckpt``
+        when it exists and a fresh run otherwise, and a fresh run into a folder holding
+        checkpoints is refused unless ``overwrite``. Temporary files of an interrupted
+        checkpoint write whose writer is gone are removed.
 
         Raises:
             CheckpointError: ``ckpt_path`` is missing, empty, corrupt or not lppo's.
+            RunDirectoryError: the run directory is in use, or holds another run.
         """
-        folders = {cb.dirpath for cb in self.callbacks if isinstance(cb, IterationCheckpoint)}
-        for folder in folders:
-            remove_stale_temporaries(folder)
-        if ckpt_path == "last":
-            found = [os.path.join(d, "last.ckpt") for d in folders if d]
-            ckpt_path = next((p for p in found if os.path.exists(p)), ckpt_path)
-        if ckpt_path is not None and ckpt_path not in ("last", "best", "hpc", "registry"):
-            check_checkpoint(os.fspath(ckpt_path))
+        folders = [cb.dirpath for cb in self.callbacks if isinstance(cb, IterationCheckpoint)]
+        directory = RunDirectory(self.default_root_dir, folders[0] if folders else None)
+        owner = is_launching_rank_zero()
+        if owner:
+            directory.lock()
+        try:
+            lightnings = ckpt_path in ("best", "hpc", "registry")  # Lightning's own words
+            if not lightnings and (owner or ckpt_path in (LAST, AUTO)):
+                ckpt_path = directory.resolve(ckpt_path, self.overwrite and owner)
+            for folder in folders:
+                remove_stale_temporaries(folder)
+            if ckpt_path is not None and not lightnings:
+                check_checkpoint(os.fspath(ckpt_path))
+            self._fit(args, ckpt_path, kwargs)
+        finally:
+            directory.unlock()
+
+    def _fit(self, args: tuple[Any, ...], ckpt_path: str | None, kwargs: dict[str, Any]) -> None:
         try:
             super().fit(*args, ckpt_path=ckpt_path, **kwargs)
         except BaseException:

@@ -1,0 +1,74 @@
+"""SIGTERM and SIGINT during a run: abort the iteration, keep the last checkpoint, exit 143 / 130.
+
+One behaviour for every engine and store. :func:`install` (called by the fit loop when the
+run starts, after Ray and TransferQueue have installed their own handlers) makes both signals
+raise :class:`RunInterrupted` in the main thread, wherever the run is: in a rollout, a reward,
+a TransferQueue wait or a chunk's backward. The exception travels the run's ordinary failure
+path: the iteration is aborted (no optimizer step open, rows released, by the abort-cleanup
+callback), the summary and the reward curve are written marked ``interrupted``, services lppo
+started are stopped, and the process exits with ``128 + signal`` (143 for SIGTERM, 130 for
+SIGINT), the code a scheduler reads as "killed by a signal". The last iteration-boundary
+checkpoint is kept (none is written mid-iteration), so ``--ckpt_path last`` resumes bitwise.
+
+A second signal during that cleanup exits at once with the same code. Lightning restores
+the handlers that were in place before ``fit`` when it tears down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+
+__all__ = ["SIGNALS", "RunInterrupted", "install"]
+
+#: The signals a run turns into :class:`RunInterrupted`.
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class RunInterrupted(SystemExit):
+    """The run was stopped by a signal; its exit code is ``128 + signum``.
+
+    A ``SystemExit``, so that a process ending on it exits with that code without a traceback,
+    and ``except Exception`` in user code (a reward function) does not swallow it.
+
+    Attributes:
+        signum: the signal received.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        """``"SIGTERM"`` or ``"SIGINT"``."""
+        return signal.Signals(self.signum).name
+
+    def __str__(self) -> str:
+        return f"interrupted by {self.signal_name}"
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    for sig in SIGNALS:
+        signal.signal(sig, _exit_now)
+    raise RunInterrupted(signum)
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    # A second signal while the first one's cleanup runs: the user insists, exit at once.
+    os._exit(128 + signum)
+
+
+def install() -> bool:
+    """Make SIGTERM and SIGINT raise :class:`RunInterrupted`; ``False`` off the main thread.
+
+    Python delivers signals to the main thread only; a run started from another thread keeps
+    the handlers it found.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for sig in SIGNALS:
+        signal.signal(sig, _raise)
+    return True

@@ -1,0 +1,109 @@
+"""SIGTERM / SIGINT to a real ``lppo fit``: exit 143 / 130, summary and curve marked
+interrupted, the last checkpoint kept, and ``--ckpt_path last`` resumes bitwise; the same
+for every engine and store (Hugging Face in-process, TransferQueue, Ray rollout workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_sigkill import ITERATIONS, ROOT, env, final_state, lppo_fit
+
+from lppo.checkpointing import TMP_MARK
+
+pytestmark = pytest.mark.slow
+
+
+def pause_then_signal(cmd: list[str], marker: Path, sig: int) -> subprocess.CompletedProcess:
+    """Run ``cmd`` until it writes ``marker``, send ``sig`` to it, wait for its end."""
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"lppo fit ended before the pause: {err.decode()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("pause not reached in time")
+        time.sleep(0.2)
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def pause_args(point: str, marker: Path) -> list[str]:
+    return [
+        "--trainer.callbacks+=_fault_points.PauseAt",
+        f"--trainer.callbacks.point={point}",
+        f"--trainer.callbacks.marker={marker}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("straight")
+    subprocess.run(lppo_fit(root), check=True, env=env(), capture_output=True, timeout=900)
+    return final_state(root)
+
+
+@pytest.mark.parametrize(
+    ("sig", "point", "ran"),
+    [
+        (signal.SIGTERM, "critic:1", 1),  # iteration 1 (0-based) aborted
+        (signal.SIGINT, "actor:1", 1),
+        (signal.SIGTERM, "write:1", 2),  # iteration 1 ran, its checkpoint write was stopped
+    ],
+)
+def test_a_signal_stops_the_run_resumably(tmp_path, straight, sig, point, ran):
+    marker = tmp_path / "reached"
+    run = pause_then_signal(lppo_fit(tmp_path, *pause_args(point, marker)), marker, sig)
+    assert run.returncode == 128 + sig, run.stderr.decode()[-2000:]
+    assert "Traceback" not in run.stderr.decode()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert summary["reason"] == f"interrupted by {signal.Signals(sig).name}"
+    assert summary["iterations"] == ran
+    assert "lppo run summary (interrupted)" in run.stdout.decode()
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+    kept = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert kept["epoch"] == 0  # the boundary checkpoint before the aborted iteration
+    assert not any(TMP_MARK in p.name for p in (tmp_path / "checkpoints").iterdir())
+
+    resumed = subprocess.run(
+        lppo_fit(tmp_path, "--ckpt_path", "last"), env=env(), capture_output=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    state = final_state(tmp_path)
+    for key, value in straight.items():
+        assert torch.equal(state[key], value), key
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    last = str((tmp_path / "checkpoints" / "last.ckpt").resolve())
+    assert summary["resumed_from"] == {"path": last, "iteration": 1}
+    assert f"resumed from {last} after iteration 1" in resumed.stdout.decode()
+
+
+@pytest.mark.distributed
+def test_sigterm_is_the_same_with_transfer_queue_and_ray_workers(tmp_path):
+    """configs/ray_workers.yaml: Ray rollout workers putting rows into TransferQueue. Ray
+    makes SIGTERM exit its driver at once (``sys.exit(15)``); lppo keeps its own handling."""
+    marker = tmp_path / "reached"
+    cmd = lppo_fit(tmp_path, *pause_args("critic:1", marker))
+    cmd[cmd.index("--config") + 1] = str(ROOT / "configs" / "ray_workers.yaml")
+    run = pause_then_signal(cmd, marker, signal.SIGTERM)
+    assert run.returncode == 143, run.stderr.decode()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["iterations"]) == ("interrupted", 1)
+    resume = cmd[: cmd.index("--trainer.callbacks+=_fault_points.PauseAt")]
+    resumed = subprocess.run(
+        [*resume, "--ckpt_path", "last"], env=env(), capture_output=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["iterations"]) == ("completed", ITERATIONS)
