@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MODELS = {
@@ -138,7 +139,7 @@ def worker_iteration(args: argparse.Namespace) -> dict[str, float]:
     timer = Timer()
     trainer = PPOTrainer(
         max_epochs=args.iterations,
-        default_root_dir=f"/tmp/lppo-bench-{os.getpid()}",
+        default_root_dir=tempfile.mkdtemp(prefix="lppo-bench-"),  # one run per directory
         callbacks=[timer],
     )
     trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=512))
