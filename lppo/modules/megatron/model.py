@@ -28,7 +28,10 @@ from lppo.modules.megatron.convert import (
 from lppo.parallel import ParallelContext, ProcessGroup, megatron_context
 from lppo.validation import check_number
 
-_EXTRA = "megatron-core is not installed; install lppo's extra: pip install 'lppo[megatron]'"
+_EXTRA = (
+    "megatron-core is not installed; install lppo's extra from the clone: "
+    "pip install -c constraints.txt -e '.[megatron]'"
+)
 
 
 def require_megatron() -> None:
