@@ -15,7 +15,7 @@ from lppo.hooks import PPOCallback
 from lppo.rollout.base import RewardError
 from lppo.run_log import RunLog
 from lppo.tasks.base import Prompt, Task
-from lppo.types import iteration_label
+from lppo.types import iteration_label, iteration_number
 from lppo.validation import callback_key, check_number
 
 if TYPE_CHECKING:
@@ -254,7 +254,8 @@ class Evaluation(PPOCallback):
             RewardError: the task's ``rewards`` failed (the message names the evaluation).
         """
         self.run_log = pl_module.run_log
-        if not trainer.is_global_zero or any(h["iteration"] == iteration for h in self.history):
+        number = iteration_number(iteration)
+        if not trainer.is_global_zero or any(h["iteration"] == number for h in self.history):
             return None
         source = self._source(pl_module)
         task = self.task if self.task is not None else source.task
@@ -271,12 +272,12 @@ class Evaluation(PPOCallback):
         lengths = [float(m.sum()) for m in samples.output.response_mask]
         metrics = evaluation_metrics(samples.rewards, lengths, k)
         metrics["seconds"] = time.perf_counter() - clock
-        row: dict[str, float] = {"iteration": iteration}
+        row: dict[str, float] = {"iteration": number}
         row.update({f"{self.prefix}/{name}": v for name, v in metrics.items()})
         step = self.run_log.log(trainer.loggers, row)
         for logger in trainer.loggers:
             logger.save()
-        entry = {"iteration": iteration, "step": step, **metrics}
+        entry = {"iteration": number, "step": step, **metrics}
         self.run_log.add_evaluation(self.prefix, entry)
         return entry
 

@@ -12,7 +12,7 @@ import torch
 
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.run_log import RunLog
-from lppo.types import IterationResult, RolloutStats, StepStats
+from lppo.types import IterationResult, RolloutStats, StepStats, iteration_number
 
 #: Rollout statistics always logged as ``rollout/<name>`` (NaN when not measured).
 ROLLOUT_KEYS: tuple[str, ...] = RolloutStats.names()
@@ -135,12 +135,12 @@ class PPOMetricsLogger(PPOCallback):
         if trainer is None:
             return
         self.run_log = run_log = ctx.run_log
-        if run_log.history and run_log.history[-1]["iteration"] == result.iteration:
+        iteration = iteration_number(result.iteration)
+        if run_log.history and run_log.history[-1]["iteration"] == iteration:
             return  # already logged (hook called twice for the same iteration)
-        iteration = int(result.iteration)
         if result.failed:
-            failed = {"iteration/failed": 1.0, "iteration/failed_total": float(run_log.failed)}
-            run_log.log(trainer.loggers, {"iteration": float(iteration), **failed})
+            failed = {"iteration/failed": 1, "iteration/failed_total": run_log.failed}
+            run_log.log(trainer.loggers, {"iteration": iteration, **failed})
             return
         if self.log_steps:
             for stats in result.steps:

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.interrupts import RunInterrupted
-from lppo.types import IterationResult
+from lppo.types import IterationResult, iteration_number
 
 
 def run_dir(trainer: pl.Trainer) -> str:
@@ -110,7 +110,7 @@ class RewardCurve(PPOCallback):
         fig = Figure(figsize=(6.4, 4.0), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
-        xs = [p[0] for p in self.points]
+        xs = [iteration_number(p[0]) for p in self.points]
         means = [p[1] for p in self.points]
         stds = [p[2] if math.isfinite(p[2]) else 0.0 for p in self.points]
         if xs:

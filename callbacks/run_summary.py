@@ -15,7 +15,7 @@ from lppo.callbacks.reward_plot import run_dir
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.interrupts import RunInterrupted
 from lppo.run_log import RunLog
-from lppo.types import IterationResult
+from lppo.types import IterationResult, iteration_number
 from lppo.validation import callback_key, check_number
 
 
@@ -161,8 +161,8 @@ class RunSummary(PPOCallback):
         return {
             "iterations": len(self.rewards),
             "max_iterations": trainer.max_epochs,
-            "first_iteration": self.rewards[0][0] if self.rewards else None,
-            "last_iteration": self.rewards[-1][0] if self.rewards else None,
+            "first_iteration": iteration_number(self.rewards[0][0]) if self.rewards else None,
+            "last_iteration": iteration_number(self.rewards[-1][0]) if self.rewards else None,
             "reward_first": _json_float(first),
             "reward_last": _json_float(last),
             "reward_first_mean": _json_float(_finite_mean(rewards[: self.window])),
@@ -210,7 +210,7 @@ class RunSummary(PPOCallback):
         for prefix, last in (summary.get("evaluation") or {}).items():
             passes = ", ".join(f"{k} {num(v)}" for k, v in last.items() if k.startswith("pass@"))
             lines.append(
-                f"  {prefix + ' (held-out)':<16}: iteration {int(last['iteration'] or 0) + 1} | "
+                f"  {prefix + ' (held-out)':<16}: iteration {int(last['iteration'] or 0)} | "
                 f"reward {num(last['reward_mean'])} | accuracy {num(last['accuracy'])} | {passes}"
             )
         if summary["reward_curve"]:

@@ -361,10 +361,20 @@ class IterationResult:
         return [s for s in self.steps if s.role == role]
 
 
+def iteration_number(iteration: int) -> int:
+    """The number of the iteration with 0-based index ``iteration``, as lppo shows it.
+
+    Every message and every file (``metrics.csv``, wandb, ``summary.json``, the reward curve)
+    counts iterations from 1; 0 is "before the first iteration" (an evaluation of the initial
+    policy). Trainer epochs and ``IterationResult.iteration`` stay 0-based.
+    """
+    return iteration + 1
+
+
 def iteration_label(iteration: int) -> str:
-    """``iteration k`` for the 0-based index ``k - 1``: every message counts iterations from 1.
+    """``iteration k`` for the 0-based index ``k - 1`` (:func:`iteration_number`).
 
     Errors, warnings and the progress output all name iterations through this function, so
     the iteration an error names is the one the progress line showed.
     """
-    return f"iteration {iteration + 1}"
+    return f"iteration {iteration_number(iteration)}"

@@ -250,7 +250,8 @@ def test_run_writes_metrics_plot_summary_checkpoint(short_run: tuple[Any, Path])
     for phase in ("rollout", "critic", "actor"):
         assert f"perf/tokens_per_second/{phase}" in columns
     per_iteration = [r for r in rows if r["rollout/reward_mean"]]
-    assert [int(r["iteration"]) for r in per_iteration] == list(range(ITERATIONS))
+    # iterations numbered from 1, written as integers (as on the console)
+    assert [r["iteration"] for r in per_iteration] == [str(i + 1) for i in range(ITERATIONS)]
     for r in per_iteration:
         assert 0.0 <= float(r["rollout/reward_mean"]) <= 1.0
         assert float(r["rollout/invalid_rows"]) == 0.0

@@ -157,7 +157,7 @@ def test_a_checkpoint_from_before_the_run_log_resumes_its_axis_and_counters(tmp_
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
     trainer, system = fit(tmp_path / "run", 3, ckpt_path=str(old))
-    assert [h["iteration"] for h in system.run_log.history] == [0, 1, 2]
+    assert [h["iteration"] for h in system.run_log.history] == [1, 2, 3]
     assert system.run_log.history[2]["step"] > log["step"]  # the axis went on, not over
     assert system.run_log.failed == 1
     (skips,) = [cb for cb in trainer.callbacks if type(cb).__name__ == "OptimizerStep"]

@@ -112,7 +112,7 @@ def test_float64_end_to_end_through_the_cli(tmp_path: Path) -> None:
     cli = run(fit_args(tmp_path, "--trainer.precision", "64-true", iterations=2))
     assert {p.dtype for p in cli.model.parameters()} == {torch.float64}
     logger = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "PPOMetricsLogger")
-    assert [h["iteration"] for h in logger.history] == [0, 1]
+    assert [h["iteration"] for h in logger.history] == [1, 2]
     assert all(math.isfinite(h["reward_mean"]) for h in logger.history)
     assert all(math.isfinite(h["actor_loss"]) for h in logger.history)
 
@@ -132,7 +132,7 @@ def test_critic_free_run_builds_no_critic(tmp_path: Path) -> None:
     assert system.critic is None
     assert not any(name.startswith("critic.") for name, _ in system.named_parameters())
     logger = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "PPOMetricsLogger")
-    assert [h["iteration"] for h in logger.history] == [0, 1]
+    assert [h["iteration"] for h in logger.history] == [1, 2]
     assert all(math.isnan(h["critic_loss"]) for h in logger.history)
     assert cli.trainer.global_step == 2 * 2 * 2  # actor epochs x minibatches per iteration
 

@@ -140,9 +140,9 @@ def test_metrics_appear_in_metrics_csv_at_the_right_iterations(runs: dict[str, A
     assert steps == list(range(len(rows)))  # one axis with PPOMetricsLogger's rows
     names = ["reward_mean", "accuracy", "pass@1", f"pass@{EVAL_K}", "response_length_mean"]
     evals = [r for r in rows if r["eval/reward_mean"] != ""]
-    # every 2nd iteration (index 1) and the last one (index 2)
-    assert [int(r["iteration"]) for r in evals] == [1, 2]
-    assert [h["iteration"] for h in evaluation.history] == [1, 2]
+    # every 2nd iteration and the last one (numbered from 1 in every file)
+    assert [int(r["iteration"]) for r in evals] == [2, 3]
+    assert [h["iteration"] for h in evaluation.history] == [2, 3]
     for row, entry in zip(evals, evaluation.history, strict=True):
         assert int(row["step"]) == entry["step"]
         # right after the iteration's own row (rollout/*), before the next iteration's rows
@@ -158,7 +158,7 @@ def test_metrics_appear_in_metrics_csv_at_the_right_iterations(runs: dict[str, A
     curve = next(c for c in runs["evaluated"].trainer.callbacks if isinstance(c, RewardCurve))
     assert curve.eval_points == {"eval": evaluation.points()}
     summary = json.loads((runs["root"] / "evaluated" / "summary.json").read_text())
-    assert summary["evaluation"]["eval"]["iteration"] == 2
+    assert summary["evaluation"]["eval"]["iteration"] == 3
     last = evaluation.history[-1]
     assert summary["evaluation"]["eval"]["accuracy"] == pytest.approx(last["accuracy"])
 
@@ -221,7 +221,7 @@ def test_training_with_a_stateful_task_is_bitwise_unchanged(tmp_path: Path) -> N
     evaluation = Evaluation(every_n_iterations=1, num_prompts=7, samples_per_prompt=2)
     evaluated = python_fit(tmp_path / "evaluated", [evaluation])
     plain = python_fit(tmp_path / "plain", [])
-    assert [h["iteration"] for h in evaluation.history] == [0, 1, 2]
+    assert [h["iteration"] for h in evaluation.history] == [1, 2, 3]
     assert evaluated.task.position == plain.task.position == 3 * 4  # type: ignore[attr-defined]
     assert evaluation.prompts == plain.task.pool[:7]  # type: ignore[attr-defined]
     expected = params(plain)
@@ -232,12 +232,12 @@ def test_training_with_a_stateful_task_is_bitwise_unchanged(tmp_path: Path) -> N
 def test_resume_keeps_the_history(runs: dict[str, Any]) -> None:
     root = runs["root"] / "split"
     first = fit(root, 2, *EVALUATION)
-    assert [h["iteration"] for h in evaluation_of(first).history] == [1]  # the last one
+    assert [h["iteration"] for h in evaluation_of(first).history] == [2]  # the last one
     resumed = fit(root, 3, *EVALUATION, "--ckpt_path", "last")
     straight = evaluation_of(runs["evaluated"]).history
     assert without_seconds(evaluation_of(resumed).history) == without_seconds(straight)
     later = read_csv(root / "version_1" / "metrics.csv")
-    assert [int(r["iteration"]) for r in later if r["eval/reward_mean"]] == [2]
+    assert [int(r["iteration"]) for r in later if r["eval/reward_mean"]] == [3]
     plain = params(runs["plain"].model)
     for key, value in params(resumed.model).items():
         assert torch.equal(value, plain[key]), key
@@ -254,7 +254,7 @@ def test_only_rank_zero_evaluates_under_ppo_ddp(tmp_path: Path) -> None:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_csv(tmp_path / "version_0" / "metrics.csv")
-    assert [int(r["iteration"]) for r in rows if r["eval/reward_mean"]] == [1]
+    assert [int(r["iteration"]) for r in rows if r["eval/reward_mean"]] == [2]
     assert [int(r["step"]) for r in rows] == list(range(len(rows)))
 
 
@@ -274,7 +274,7 @@ def test_evaluation_restores_modes_and_rngs_and_skips_other_ranks(runs: dict[str
     modes = [m.training for m in system.actor.modules()]
     torch_state, python_state = torch.get_rng_state(), random.getstate()
     entry = evaluation.evaluate(stub_trainer(), system, 5)
-    assert entry is not None and entry["iteration"] == 5 and entry["step"] == 0
+    assert entry is not None and entry["iteration"] == 6 and entry["step"] == 0
     assert [m.training for m in system.actor.modules()] == modes
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
     assert evaluation.evaluate(stub_trainer(), system, 5) is None  # already evaluated

@@ -191,7 +191,7 @@ def test_metrics_logger_writes_every_step(tmp_path, results):
     per_iter_steps = CRITIC_EPOCHS + ACTOR_EPOCHS * ACTOR_MINIBATCHES
     assert len(rows) == ITERATIONS * (per_iter_steps + 1)
     for it in range(ITERATIONS):
-        mine = [r for r in rows if int(r["iteration"]) == it]
+        mine = [r for r in rows if int(r["iteration"]) == it + 1]  # numbered from 1
         critic = [r for r in mine if r["critic/loss"] != ""]
         actor = [r for r in mine if r["actor/loss"] != ""]
         summary = [r for r in mine if r["rollout/reward_mean"] != ""]
@@ -223,7 +223,7 @@ def test_metrics_logger_writes_every_step(tmp_path, results):
     logger_cb.on_iteration_end(context(trainer, results[-1].iteration, system.run_log), results[-1])
     assert len(read_csv(trainer)) == len(rows)
 
-    assert [h["iteration"] for h in logger_cb.history] == list(range(ITERATIONS))
+    assert [h["iteration"] for h in logger_cb.history] == list(range(1, ITERATIONS + 1))
     assert logger_cb.history[0]["reward_mean"] == pytest.approx(results[0].rollout.reward_mean)
     assert math.isfinite(logger_cb.history[-1]["critic_loss"])
     assert math.isfinite(logger_cb.history[-1]["actor_loss"])
@@ -263,7 +263,7 @@ def test_metrics_logger_resume_continues_step_axis(tmp_path, results):
     steps = [int(r["step"]) for r in rows_after]
     assert steps[0] == state["step"]
     assert steps == list(range(state["step"], state["step"] + len(rows_after)))
-    assert [h["iteration"] for h in resumed.history] == [0, 1, 2]
+    assert [h["iteration"] for h in resumed.history] == [1, 2, 3]
 
 
 def test_metrics_logger_handles_skipped_step(tmp_path):

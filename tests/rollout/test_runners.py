@@ -52,5 +52,5 @@ def test_a_job_that_cannot_be_sent_fails_its_own_iteration_at_once(tmp_path) -> 
         tmp_path / "skip", 4, 1, runner=Unsendable(timeout_s=600.0), max_failed_iterations=1
     )
     assert system.run_log.failed == 1
-    assert [r["iteration"] for r in system.run_log.history] == [0, 1, 3]
+    assert [r["iteration"] for r in system.run_log.history] == [1, 2, 4]
     assert len(trainer.datamodule.store) == 0
