@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lppo.cli_loggers import RecordConfig, place_logger_files
 from lppo.cli_parser import (
     DESCRIPTION,
+    FIT_DESCRIPTION,
     FIT_HELP,
     FIT_USAGE,
     PPOArgumentParser,
@@ -51,7 +52,7 @@ class PPOCLI(LightningCLI):
         parser_kwargs.setdefault("description", DESCRIPTION)
         fit = parser_kwargs.setdefault("fit", {})
         fit.setdefault("usage", FIT_USAGE)
-        fit.setdefault("description", FIT_HELP)
+        fit.setdefault("description", FIT_DESCRIPTION)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

@@ -30,6 +30,12 @@ DESCRIPTION = (
 )
 #: The one line ``lppo --help`` shows for ``fit``.
 FIT_HELP = "train a PPO run (or resume one with --ckpt_path); see `lppo fit --help`"
+#: What ``lppo fit --help`` says first.
+FIT_DESCRIPTION = (
+    "Train a PPO run, or resume one with --ckpt_path. lppo's settings (model.*, data.*, "
+    "--ckpt_path) come first, Lightning's Trainer options last; Trainer options that cannot "
+    "apply to lppo are not listed and are refused, naming lppo's replacement."
+)
 #: ``lppo fit``'s usage line (jsonargparse's lists every option: 90 lines).
 FIT_USAGE = "lppo fit [--config FILE] [--KEY VALUE ...] [--ckpt_path FILE|last] [--print_config]"
 #: Where a person starts, printed under every parse error.
@@ -166,6 +172,7 @@ def check_trainer_options(parser: LightningArgumentParser, config: Namespace) ->
 
 __all__ = [
     "DESCRIPTION",
+    "FIT_DESCRIPTION",
     "FIT_HELP",
     "FIT_USAGE",
     "NOT_APPLICABLE",

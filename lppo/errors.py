@@ -95,10 +95,13 @@ def explain(exc: BaseException) -> str | None:
     if extra is not None:
         package, name = extra
         message = " ".join(str(exc).split()) or package
-        if "pip install" in message:  # the raiser named the install already (e.g. vLLM's venv)
+        if isinstance(exc, ImportError) and "pip install" in message:
+            # lppo's own import error names the install already (e.g. vLLM's own venv)
             return _block(f"{type(exc).__name__}: {message}", None, None)
-        what = f"the Python package {package!r} is not installed ({message})"
-        return _block(what, None, f"pip install 'lppo[{name}]'")
+        # e.g. jsonargparse's union-validation dump with Lightning's "Requirement ... not met"
+        return _block(
+            f"the Python package {package!r} is not installed", None, f"pip install 'lppo[{name}]'"
+        )
     for err in _chain(exc):
         if isinstance(err, SetupError):
             message = " ".join(str(err).split())

@@ -115,3 +115,15 @@ def test_inapplicable_trainer_option_is_refused_at_parse_time(
     assert replacement in first
     assert "Traceback" not in proc.stderr
     assert not root.exists()  # refused before any model or run directory
+
+
+def test_inapplicable_trainer_option_in_a_config_file_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "mine.yaml"
+    config.write_text("trainer:\n  accumulate_grad_batches: 4\n")
+    root = tmp_path / "run"
+    args = ["--config", str(TINY), "--config", str(config), "--trainer.default_root_dir", str(root)]
+    proc = lppo_cli("fit", *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "lppo: error: trainer.accumulate_grad_batches=4 does not apply" in proc.stderr
+    assert "model.ppo.actor_minibatches" in proc.stderr
+    assert not root.exists()
