@@ -110,6 +110,8 @@ class PPOArgumentParser(LightningArgumentParser):
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
             super().error(message, ex)
         text = message.strip()
+        if self._config_path:  # YAML names the file it read from a string "<unicode string>"
+            text = text.replace('"<unicode string>"', f'"{self._config_path}"')
         extra = missing_extra(ex) if ex is not None else None
         extra = extra or missing_extra(ImportError(text))
         lines = [f"lppo: error: {text}"]
@@ -122,6 +124,13 @@ class PPOArgumentParser(LightningArgumentParser):
         lines += [f"usage: {parser.format_usage().removeprefix('usage: ').strip()}", TIP]
         sys.stderr.write("\n".join(lines) + "\n")
         self.exit(2)
+
+    _config_path: str = ""
+
+    def parse_path(self, cfg_path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """Parse a config file, remembering its path for :meth:`error`."""
+        self._config_path = os.fspath(cfg_path)
+        return super().parse_path(cfg_path, *args, **kwargs)
 
     def format_help(self, formatter: argparse.HelpFormatter | None = None) -> str:
         """The help with lppo's groups first (argparse prints groups in insertion order)."""

@@ -127,3 +127,12 @@ def test_inapplicable_trainer_option_in_a_config_file_is_refused(tmp_path: Path)
     assert "lppo: error: trainer.accumulate_grad_batches=4 does not apply" in proc.stderr
     assert "model.ppo.actor_minibatches" in proc.stderr
     assert not root.exists()
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    config = tmp_path / "mine.yaml"
+    config.write_text("model:\n  ppo:\n    kl_coef: [0.1\n  rollout: {}\n")
+    proc = lppo_cli("fit", "--config", str(TINY), "--config", str(config))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("lppo: error: Problems parsing config"), proc.stderr[:3000]
+    assert f'in "{config}", line 3' in proc.stderr
