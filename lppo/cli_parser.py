@@ -11,6 +11,7 @@ lppo's replacement.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -102,6 +103,19 @@ def _first_sentence(text: str) -> str:
     return flat[: match.end()].strip() if match else flat
 
 
+def _closest_key(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """The known key closest to the unknown one ``message`` names (a typo), if any is close."""
+    unknown = re.search(
+        r"unrecognized arguments: --([\w.]+)|does not accept option '([\w.]+)'", message
+    )
+    if unknown is None:
+        return None
+    key = unknown.group(1) or unknown.group(2)
+    known = [o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 class PPOArgumentParser(LightningArgumentParser):
     """LightningCLI's parser with lppo's errors and help (see the module docstring)."""
 
@@ -121,6 +135,9 @@ class PPOArgumentParser(LightningArgumentParser):
             lines.append(f"  fix: pip install 'lppo[{name}]'")
             lines.append(f"  (the parser said: {' '.join(text.split())[:300]})")
         parser = getattr(ex, "subcommand_parser", None) or self
+        guess = _closest_key(parser, text)
+        if guess:
+            lines.append(f"  did you mean {guess}?")
         lines += [f"usage: {parser.format_usage().removeprefix('usage: ').strip()}", TIP]
         sys.stderr.write("\n".join(lines) + "\n")
         self.exit(2)

@@ -79,8 +79,8 @@ def test_fit_help_is_short_lppo_first_and_every_lppo_key_described() -> None:
     ("args", "expected"),
     [
         pytest.param(
-            ["--model.ppo.no_such", "1"],
-            "lppo: error: unrecognized arguments: --model.ppo.no_such",
+            ["--model.ppo.kl_coeff", "0.1"],
+            "lppo: error: unrecognized arguments: --model.ppo.kl_coeff",
             id="unknown-key",
         ),
         pytest.param([], "lppo: error:", id="no-arguments"),
@@ -94,6 +94,8 @@ def test_parse_error_comes_first_and_suggests_a_config(args: list[str], expected
     assert lines[0].startswith(expected), proc.stderr[:3000]
     assert len(lines) <= 5, proc.stderr[:3000]
     assert "lppo fit --config configs/tiny.yaml" in proc.stderr
+    if args:
+        assert "did you mean model.ppo.kl_coef?" in proc.stderr
 
 
 @pytest.mark.parametrize(
