@@ -44,7 +44,7 @@ class PPOCLI(LightningCLI):
     # ------------------------------------------ lppo's parser, help and checks (cli_parser)
     @staticmethod
     def _lppo_parser_kwargs(kwargs: dict[str, Any]) -> None:
-        """Lppo's parser class, description, usage and config recorder (``kwargs`` in place)."""
+        """Put lppo's parser class, description, usage and config recorder into ``kwargs``."""
         kwargs.setdefault("parser_class", PPOArgumentParser)
         kwargs.setdefault("save_config_callback", RecordConfig)
         parser_kwargs = kwargs.setdefault("parser_kwargs", {})
