@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lppo.errors import SetupError
 from lppo.init_args import Record, check_resume_safe, class_path, record
 
 #: The system's components, each recorded under ``model.<name>`` with its class and settings.
@@ -41,7 +42,7 @@ RUN_LOG_KEY = "lppo_run_log"
 ROLLOUTS_KEY = "lppo_rollouts"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SetupError):
     """A file passed as a checkpoint cannot be resumed from."""
 
 

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lppo.cli_loggers import RecordConfig, place_logger_files
+from lppo.cli_parser import (
+    DESCRIPTION,
+    FIT_DESCRIPTION,
+    FIT_HELP,
+    FIT_USAGE,
+    PPOArgumentParser,
+    check_trainer_options,
+    tailor_trainer_options,
+)
 from lppo.data import ReplayDataModule
+from lppo.errors import explain
 from lppo.system import PPOSystem
 from lppo.trainer import PPOTrainer
 
@@ -26,7 +38,47 @@ class PPOCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", False)
         # Actor and critic own their optimizers; Lightning's --optimizer would be ignored.
         kwargs.setdefault("auto_configure_optimizers", False)
+        self._lppo_parser_kwargs(kwargs)
         super().__init__(PPOSystem, ReplayDataModule, *args, trainer_class=PPOTrainer, **kwargs)
+
+    # ------------------------------------------ lppo's parser, help and checks (cli_parser)
+    @staticmethod
+    def _lppo_parser_kwargs(kwargs: dict[str, Any]) -> None:
+        """Put lppo's parser class, description, usage and config recorder into ``kwargs``."""
+        kwargs.setdefault("parser_class", PPOArgumentParser)
+        kwargs.setdefault("save_config_callback", RecordConfig)
+        parser_kwargs = kwargs.setdefault("parser_kwargs", {})
+        parser_kwargs.setdefault("prog", "lppo")
+        parser_kwargs.setdefault("description", DESCRIPTION)
+        fit = parser_kwargs.setdefault("fit", {})
+        fit.setdefault("usage", FIT_USAGE)
+        fit.setdefault("description", FIT_DESCRIPTION)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Only ``fit``: lppo implements no ``validate``, ``test`` or ``predict``."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        """LightningCLI's parser; ``lppo --help`` describes ``fit`` in lppo's words."""
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        subcommands = self.parser._subcommands_action
+        for choice in getattr(subcommands, "_choices_actions", []):
+            if choice.dest == "fit":
+                choice.help = FIT_HELP
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Hide the Trainer options that cannot apply to lppo; keep the parser for checks."""
+        tailor_trainer_options(parser)
+        self.fit_parser = parser
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse inapplicable Trainer options; put logger files in the run directory."""
+        config = self.config.get(str(self.subcommand), self.config)
+        check_trainer_options(self.fit_parser, config)
+        place_logger_files(config)
 
 
 def run(args: list[str] | None = None) -> PPOCLI:
@@ -37,8 +89,24 @@ def run(args: list[str] | None = None) -> PPOCLI:
 
 
 def main() -> None:
-    """Console-script entry point ``lppo``."""
-    run()
+    """Console-script entry point ``lppo``.
+
+    lppo's own setup errors (:func:`lppo.errors.explain`) print as one short block and exit
+    with status 1; ``--debug`` (anywhere on the line) or ``LPPO_DEBUG=1`` shows the traceback
+    (and jsonargparse's, for parse errors) instead.
+    """
+    debug = "--debug" in sys.argv[1:] or os.environ.get("LPPO_DEBUG", "") not in ("", "0")
+    sys.argv = [arg for arg in sys.argv if arg != "--debug"]
+    if debug:
+        os.environ["JSONARGPARSE_DEBUG"] = "true"  # jsonargparse raises, not exits
+    try:
+        run()
+    except Exception as exc:
+        block = None if debug else explain(exc)
+        if block is None:
+            raise
+        sys.stderr.write(block + "\n")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

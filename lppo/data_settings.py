@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lppo.validation import check_number
+from lppo.validation import SettingError, check_number
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class DataSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        """Raise ``SettingError`` / ``ValueError`` naming the key, the value and the fix."""
+        """Raise ``SettingError`` naming the key, the value and the fix."""
         check_number(
             "data.max_tokens_per_score_chunk",
             self.max_tokens_per_score_chunk,
@@ -63,7 +63,7 @@ class DataSettings:
         check_number("data.drop_budget", self.drop_budget, integer=True, low=0)
         check_number("data.seed", self.seed, integer=True, low=0)
         if self.fixed_rows_per_rank and self.drop_budget > 0:
-            raise ValueError(
+            raise SettingError(
                 f"data.drop_budget={self.drop_budget} with data.fixed_rows_per_rank=true: "
                 "dropping any sample can leave a row count that no longer divides evenly over "
                 "the data-parallel ranks and minibatches. Set data.drop_budget=0, or "
@@ -95,7 +95,8 @@ class DataSettings:
             minibatches: the most optimizer steps per epoch any phase will ask for.
 
         Raises:
-            ValueError: naming the keys, the values and the fix.
+            SettingError: naming the keys, the values and the fix.
+            ValueError: an inconsistent rank / world size or minibatch count (a caller's bug).
         """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -112,7 +113,7 @@ class DataSettings:
             and rows_per_iteration is not None
             and rows_per_iteration % per_step != 0
         ):
-            raise ValueError(
+            raise SettingError(
                 f"rows per iteration = model.rollout.prompts_per_iteration x "
                 f"model.rollout.samples_per_prompt = {rows_per_iteration} is not divisible by "
                 f"data-parallel ranks x minibatches (model.ppo.*_minibatches) = {world_size} x "
@@ -125,13 +126,13 @@ class DataSettings:
         """Both chunk budgets must hold the longest row the configuration can produce."""
         score = self.max_tokens_per_score_chunk
         if score is not None and max_row_length > score:
-            raise ValueError(
+            raise SettingError(
                 f"data.max_tokens_per_score_chunk={score} is below the longest possible "
                 f"row ({max_row_length} tokens); raise it to at least that, or set it to "
                 "null (the training budget, data.max_tokens_per_chunk)."
             )
         if self.max_tokens_per_chunk < max_row_length:
-            raise ValueError(
+            raise SettingError(
                 f"data.max_tokens_per_chunk={self.max_tokens_per_chunk} is below the longest "
                 f"possible row ({max_row_length} tokens = prompt + max_new_tokens); raise "
                 f"data.max_tokens_per_chunk to at least {max_row_length}, or shorten prompts / "

@@ -7,7 +7,7 @@ import warnings
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lppo.callbacks import IterationCheckpoint, defaults
 
@@ -20,6 +20,9 @@ from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strateg
 # The frozen reference policy is in eval mode on purpose.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
+
+#: The run directory when ``default_root_dir`` is not given.
+DEFAULT_ROOT_DIR = os.path.join("runs", "lppo")
 
 _DEFAULTS: dict[str, Any] = {
     "enable_progress_bar": False,
@@ -38,7 +41,8 @@ class PPOTrainer(Trainer):
     checkpoint) are added when no callback of their type is given (the per-iteration
     checkpoint not with ``enable_checkpointing=False``), and Lightning saves their state;
     the default logger writes ``<default_root_dir>/version_N/metrics.csv`` (one folder per
-    launch, so a resumed run keeps the earlier metrics) and checkpoints go to
+    launch, so a resumed run keeps the earlier metrics), also beside a ``WandbLogger`` given
+    alone (a list of loggers is taken as given), and checkpoints go to
     ``<default_root_dir>/checkpoints``; Lightning's batch progress bar, model summary, sanity
     check and validation are off. ``global_step`` counts actor optimizer steps (on every
     rank).
@@ -68,7 +72,7 @@ class PPOTrainer(Trainer):
     ) -> None:
         self.ray = ray
         self.overwrite = overwrite
-        root = kwargs.get("default_root_dir") or os.path.join("runs", "lppo")
+        root = kwargs.get("default_root_dir") or DEFAULT_ROOT_DIR
         kwargs["default_root_dir"] = root
         # No default in this .get(): jsonargparse resolves `logger` through it, and a default
         # would hide Trainer's type (`--trainer.logger <class_path>` then stayed a string).
@@ -76,6 +80,10 @@ class PPOTrainer(Trainer):
         if logger is True or logger is None:
             # One version folder per launch: a resumed run never overwrites earlier metrics.
             kwargs["logger"] = CSVLogger(root, name="")
+        elif isinstance(logger, WandbLogger):
+            # metrics.csv stays beside wandb (offline analysis, plots, run summary); a list of
+            # loggers is taken as given.
+            kwargs["logger"] = [logger, CSVLogger(root, name="")]
         callbacks = list(kwargs.get("callbacks") or [])
         # enable_checkpointing=False: no per-iteration checkpoint (Lightning's own switch).
         checkpoints = kwargs.get("enable_checkpointing") is not False

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 import numbers
 
+from lppo.errors import SetupError
 
-class SettingError(ValueError):
+
+class SettingError(SetupError):
     """A setting has the wrong type, is not finite, or lies outside its allowed range."""
 
 

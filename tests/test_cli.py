@@ -12,9 +12,9 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from _cli import lppo_cli
 
 from lppo.cli import run
 from lppo.config import PPOConfig
@@ -290,39 +291,31 @@ def test_trainer_logger_is_parsed_as_a_class(
 
 
 # --------------------------------------------------------------------------------- wandb
-def test_wandb_logger_offline_through_the_cli(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for key in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(key, str(tmp_path / "wandb_home"))
-    save_dir = tmp_path / "wb"
-    try:
-        cli = run(
-            fit_args(
-                tmp_path / "run",
-                "--trainer.logger",
-                "lightning.pytorch.loggers.WandbLogger",
-                "--trainer.logger.offline",
-                "true",
-                "--trainer.logger.save_dir",
-                str(save_dir),
-            )
-        )
-        assert type(cli.trainer.logger).__name__ == "WandbLogger"
-    finally:
-        wandb.finish()
-    runs = list(save_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, list(save_dir.rglob("*"))
-    deadline = time.monotonic() + 30
-    while b"rollout/reward_mean" not in runs[0].read_bytes() and time.monotonic() < deadline:
-        time.sleep(0.2)  # the wandb service may still be flushing
-    content = runs[0].read_bytes()
+def test_wandb_offline_run_records_the_config_inside_the_run_dir(tmp_path: Path) -> None:
+    """A plain ``--trainer.logger WandbLogger``: files in the run dir, config recorded, CSV kept."""
+    pytest.importorskip("wandb")
+    cwd, root = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    home = str(tmp_path / "wandb_home")  # wandb's own settings and cache, not the run's files
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": home}
+    env |= {"WANDB_CACHE_DIR": home, "WANDB_DATA_DIR": home}
+    logger = ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger"]
+    args = fit_args(root, *logger, "--model.ppo.kl_coef", "0.0123")
+    proc = lppo_cli(*args, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(cwd.iterdir()) == []  # no ./wandb, no ./config.yaml
+    runs = list(root.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list(root.rglob("*"))
+    content = runs[0].read_bytes()  # the run's records; the config is stored as JSON
     assert b"rollout/reward_mean" in content and b"actor/loss" in content
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert [entry["type"] for entry in summary["loggers"]] == ["WandbLogger"]
+    found = re.search(rb'"ppo":\{"kl_coef":([0-9.e+-]+)', content)
+    assert found and float(found.group(1)) == 0.0123  # model.ppo.kl_coef in the run's config
+    assert yaml.safe_load((root / "config.yaml").read_text())["model"]["ppo"]["kl_coef"] == 0.0123
+    metrics = root / "version_0" / "metrics.csv"
+    assert "rollout/reward_mean" in metrics.read_text().splitlines()[0]
+    summary = json.loads((root / "summary.json").read_text())
+    assert [entry["type"] for entry in summary["loggers"]] == ["WandbLogger", "CSVLogger"]
+    assert Path(summary["metrics_csv"]) == metrics
 
 
 # ------------------------------------------------------------------ bad configurations
