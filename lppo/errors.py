@@ -100,7 +100,9 @@ def explain(exc: BaseException) -> str | None:
             return _block(f"{type(exc).__name__}: {message}", None, None)
         # e.g. jsonargparse's union-validation dump with Lightning's "Requirement ... not met"
         return _block(
-            f"the Python package {package!r} is not installed", None, f"pip install 'lppo[{name}]'"
+            f"the Python package {package!r} is not installed",
+            None,
+            f"pip install -c constraints.txt -e '.[{name}]' (in the lppo clone)",
         )
     for err in _chain(exc):
         if isinstance(err, SetupError):

@@ -26,6 +26,7 @@ import time
 from typing import IO
 
 from lppo.checkpointing import CheckpointError
+from lppo.errors import SetupError
 
 __all__ = ["RunDirectory", "RunDirectoryError", "is_launching_rank_zero"]
 
@@ -35,7 +36,7 @@ AUTO = "auto"
 LAST = "last"
 
 
-class RunDirectoryError(RuntimeError):
+class RunDirectoryError(SetupError):
     """The run directory cannot be used by this run (in use, or holding another run)."""
 
 
