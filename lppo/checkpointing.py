@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import os
 import pickle
+import re
 import zipfile
 from typing import Any
 
@@ -38,6 +39,8 @@ TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
 ROLLOUTS_KEY = "lppo_rollouts"
+#: How torch begins the message of a weights-only load that met a non-weights object.
+WEIGHTS_ONLY_FAILED = "Weights only load failed"
 
 
 class CheckpointError(ValueError):
@@ -75,11 +78,16 @@ def remove_stale_temporaries(directory: str | None) -> list[str]:
     return stale
 
 
-def check_checkpoint(path: str) -> dict[str, Any]:
-    """Load ``path`` (memory-mapped) and check that it is an lppo checkpoint.
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Load the Lightning checkpoint ``path`` weights-only (memory-mapped).
+
+    Weights-only: tensors and plain values are read, any other pickled object is refused before
+    it is built, so a file dropped into a run directory cannot run code through a resume or an
+    export. lppo writes nothing else into its checkpoints.
 
     Raises:
-        CheckpointError: the file is missing, empty, not a torch checkpoint, or not lppo's.
+        CheckpointError: the file is missing, empty, not a torch checkpoint, holds non-weights
+            content, or is not a Lightning checkpoint.
     """
     hint = "pass a checkpoint written by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
     if not os.path.isfile(path):
@@ -87,16 +95,43 @@ def check_checkpoint(path: str) -> dict[str, Any]:
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes); {hint}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if not str(err).startswith(WEIGHTS_ONLY_FAILED):
+            raise _corrupt(path, err, hint) from err
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f" (a pickled {found.group(1)})" if found else ""
         raise CheckpointError(
-            f"checkpoint {path!r} is corrupt or not a torch file ({type(err).__name__}: "
-            f"{str(err)[:200]}); {hint}"
-        ) from err
+            f"checkpoint {path!r} holds non-weights content{what}: it was not loaded, since "
+            "loading it could run code. lppo's checkpoints hold only tensors and plain values; "
+            f"{hint}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
+        raise _corrupt(path, err, hint) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"{path!r} is not a Lightning checkpoint (no state_dict); {hint}")
+    return checkpoint
+
+
+def _corrupt(path: str, err: BaseException, hint: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path!r} is corrupt or not a torch file ({type(err).__name__}: "
+        f"{str(err)[:200]}); {hint}"
+    )
+
+
+def check_checkpoint(path: str) -> dict[str, Any]:
+    """Load ``path`` (weights-only, :func:`load_checkpoint`) and check that it is lppo's.
+
+    Raises:
+        CheckpointError: the file cannot be loaded, or was not written by lppo.
+    """
+    checkpoint = load_checkpoint(path)
     if SETTINGS_KEY not in checkpoint:
-        raise CheckpointError(f"{path!r} was not written by lppo (no {SETTINGS_KEY}); {hint}")
+        raise CheckpointError(
+            f"{path!r} was not written by lppo (no {SETTINGS_KEY}); pass a checkpoint written "
+            "by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
+        )
     return checkpoint
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lppo.checkpointing import check_checkpoint
 from lppo.data import ReplayDataModule
 from lppo.system import PPOSystem
 from lppo.trainer import PPOTrainer
@@ -19,6 +20,9 @@ class PPOCLI(LightningCLI):
     critic, task or callbacks are addressed by ``class_path``.
     """
 
+    #: The parsed ``model`` settings while a ``--ckpt_path`` file is resumed (else ``None``).
+    _given_model: Any = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # PPOSystem's own knobs (actor, critic, task, rollout, ppo) show in `lppo fit --help`;
@@ -27,6 +31,26 @@ class PPOCLI(LightningCLI):
         # Actor and critic own their optimizers; Lightning's --optimizer would be ignored.
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(PPOSystem, ReplayDataModule, *args, trainer_class=PPOTrainer, **kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then check a ``--ckpt_path`` file (weights-only) and keep the given settings.
+
+        LightningCLI next replaces every ``model.*`` setting by the checkpoint's hyperparameters;
+        :meth:`before_instantiate_classes` puts the given ones back, so resuming from a named
+        file follows the rules of ``--ckpt_path last``: ``PPOSystem.on_load_checkpoint``
+        applies the resume-safe changes and refuses the others.
+        """
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and os.path.isfile(ckpt_path):
+            check_checkpoint(os.fspath(ckpt_path))  # before LightningCLI reads it
+            self._given_model = self.config[subcommand]["model"].clone()
+
+    def before_instantiate_classes(self) -> None:
+        """Put back the ``model.*`` settings given on the command line and in the config."""
+        if self._given_model is not None:
+            self.config[self.config["subcommand"]]["model"] = self._given_model
 
 
 def run(args: list[str] | None = None) -> PPOCLI:

@@ -15,6 +15,7 @@ from lppo.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stal
 from lppo.loop import install
 from lppo.ray_runtime import RaySettings
 from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
+from lppo.validation import SettingError
 
 # The frozen reference policy is in eval mode on purpose.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
@@ -86,15 +87,31 @@ class PPOTrainer(Trainer):
         check_strategy(self.strategy, self.num_devices * self.num_nodes)
         install(self)
 
-    def fit(self, *args: Any, ckpt_path: str | None = None, **kwargs: Any) -> None:
+    def fit(
+        self,
+        *args: Any,
+        ckpt_path: str | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         """``Trainer.fit``; a checkpoint to resume from is checked first (one clear error).
 
         ``ckpt_path="last"`` resolves to the iteration checkpoints' ``last.ckpt`` when it
-        exists. Temporary files of an interrupted checkpoint write are removed.
+        exists. Temporary files of an interrupted checkpoint write are removed. Checkpoints
+        are loaded weights-only (:func:`lppo.checkpointing.load_checkpoint`): one holding any
+        other pickled object is refused before that object is built.
 
         Raises:
-            CheckpointError: ``ckpt_path`` is missing, empty, corrupt or not lppo's.
+            CheckpointError: ``ckpt_path`` is missing, empty, corrupt, holds non-weights
+                content or is not lppo's.
+            SettingError: ``weights_only=False``.
         """
+        if weights_only is False:
+            raise SettingError(
+                "fit(weights_only=False): lppo loads checkpoints weights-only, since unpickling "
+                "anything else can run code; leave weights_only unset (lppo's checkpoints hold "
+                "only tensors and plain values)."
+            )
         folders = {cb.dirpath for cb in self.callbacks if isinstance(cb, IterationCheckpoint)}
         for folder in folders:
             remove_stale_temporaries(folder)
@@ -104,7 +121,7 @@ class PPOTrainer(Trainer):
         if ckpt_path is not None and ckpt_path not in ("last", "best", "hpc", "registry"):
             check_checkpoint(os.fspath(ckpt_path))
         try:
-            super().fit(*args, ckpt_path=ckpt_path, **kwargs)
+            super().fit(*args, ckpt_path=ckpt_path, weights_only=True, **kwargs)
         except BaseException:
             # Lightning calls no teardown hook after a failed fit; the system's stops what it
             # started (Ray rollout workers), as after a successful one.
