@@ -35,6 +35,11 @@ GROUPS = ("rollout", "ppo")
 FREE = ("runner",)
 #: Entry of the recorded settings listing the keys a resumed run may change (not a setting).
 RESUME_SAFE = "<resume_safe>"
+#: Entry of the recorded settings: what the recorder knew to record (not a setting).
+SETTINGS_VERSION = "<version>"
+#: 0: no :data:`RESUME_SAFE` entry; 1: it, no version entry; 2: callable settings objects
+#: (objectives, verifiers), factories given by ``class_path`` and ``trainer.precision`` too.
+VERSION = 2
 TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
@@ -135,14 +140,17 @@ def check_checkpoint(path: str) -> dict[str, Any]:
     return checkpoint
 
 
-def run_settings(system: Any, data: Any) -> dict[str, Any]:
+def run_settings(system: Any, data: Any, trainer: Any = None) -> dict[str, Any]:
     """The settings of a run that shape its training, flat, as ``lppo fit`` keys.
 
     Each component's settings are its recorded init arguments (:mod:`lppo.init_args`); the
-    system's own are its plain init arguments (``model.seed``, ``model.num_threads``, ...).
+    system's own are its plain init arguments (``model.seed``, ``model.num_threads``, ...);
+    the trainer's, its ``precision`` (the dtype of every model and stored column).
     Under :data:`RESUME_SAFE` the result lists the keys the objects declare ``resume_safe``.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {SETTINGS_VERSION: VERSION}
+    if trainer is not None:
+        out["trainer.precision"] = str(trainer.precision)
     safe: set[str] = set()
     for name in COMPONENTS:
         obj = getattr(system, name, None)
@@ -193,19 +201,33 @@ def settings_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[li
     side only is a difference (``<absent>``).
     """
     safe = set(current.get(RESUME_SAFE, ()))
-    # A checkpoint from before settings were recorded from init arguments has no RESUME_SAFE
-    # entry: it is compared on the keys it recorded, except those it recorded as None (its
-    # recorder wrote None for what it could not read back: *args / **kwargs, an argument kept
-    # under another name, such as the copy task's alphabet_size).
-    legacy = RESUME_SAFE not in saved
+    version = saved.get(SETTINGS_VERSION, 1 if RESUME_SAFE in saved else 0)
     applicable, refused = [], []
-    for key in sorted((set(saved) | set(current)) - {RESUME_SAFE}):
-        if legacy and saved.get(key) is None:
+    for key in sorted((set(saved) | set(current)) - {RESUME_SAFE, SETTINGS_VERSION}):
+        if _unrecorded(key, saved, version):
             continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if old != new and not (isinstance(old, list) and list(old) == new):
             (applicable if key in safe else refused).append(f"{key}: {old!r} -> {new!r}")
     return applicable, refused
+
+
+def _unrecorded(key: str, saved: dict[str, Any], version: int) -> bool:
+    """Whether the recorder of ``saved`` (of ``version``) could not record ``key``.
+
+    Such a key is not compared. Version 0 (settings read back by attribute name) wrote None
+    for what it could not read (``*args`` / ``**kwargs``, an argument kept under another name,
+    such as the copy task's ``alphabet_size``); version 1 left out callable settings objects,
+    factories and ``trainer.precision``: a key it lacks is skipped, unless it lacks the whole
+    component (a critic or reward model added on resume is still refused).
+    """
+    if version == 0:
+        return saved.get(key) is None
+    if version >= VERSION or key in saved:
+        return False
+    parts = key.split(".")
+    component = len(parts) > 2 and parts[0] == "model" and parts[1] in COMPONENTS
+    return not component or f"model.{parts[1]}.class_path" in saved
 
 
 def upgrade_layout(checkpoint: dict[str, Any]) -> None:
