@@ -4,7 +4,9 @@
   renames it into place, so a run killed mid-write leaves the previous checkpoint intact; stale
   temporary files of an interrupted write are removed when the next run starts.
 * :func:`check_checkpoint` turns a missing, empty, corrupt or foreign file into one
-  :class:`CheckpointError` that names the file and what is wrong with it.
+  :class:`CheckpointError` that names the file and what is wrong with it. Every checkpoint is
+  loaded weights-only (:func:`load_checkpoint`): a file holding any other pickled object is
+  refused before that object is built, so a resume or an export never runs code from a file.
 * :func:`run_settings` records the settings that shape training in every checkpoint;
   :func:`settings_changes` compares them on resume: the few that are well defined on a restored
   run are applied, any other difference stops the run with the list of differences.
@@ -44,6 +46,8 @@ TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
 ROLLOUTS_KEY = "lppo_rollouts"
+#: What every :class:`CheckpointError` about a file ends with.
+HINT = "pass a checkpoint written by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
 #: How torch begins the message of a weights-only load that met a non-weights object.
 WEIGHTS_ONLY_FAILED = "Weights only load failed"
 
@@ -94,34 +98,33 @@ def load_checkpoint(path: str) -> dict[str, Any]:
         CheckpointError: the file is missing, empty, not a torch checkpoint, holds non-weights
             content, or is not a Lightning checkpoint.
     """
-    hint = "pass a checkpoint written by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path!r} does not exist; {hint}")
+        raise CheckpointError(f"checkpoint {path!r} does not exist; {HINT}")
     if os.path.getsize(path) == 0:
-        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes); {hint}")
+        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes); {HINT}")
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as err:
         if not str(err).startswith(WEIGHTS_ONLY_FAILED):
-            raise _corrupt(path, err, hint) from err
+            raise _corrupt(path, err) from err
         found = re.search(r"GLOBAL (\S+)", str(err))
         what = f" (a pickled {found.group(1)})" if found else ""
         raise CheckpointError(
             f"checkpoint {path!r} holds non-weights content{what}: it was not loaded, since "
             "loading it could run code. lppo's checkpoints hold only tensors and plain values; "
-            f"{hint}"
+            f"{HINT}"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
-        raise _corrupt(path, err, hint) from err
+        raise _corrupt(path, err) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"{path!r} is not a Lightning checkpoint (no state_dict); {hint}")
+        raise CheckpointError(f"{path!r} is not a Lightning checkpoint (no state_dict); {HINT}")
     return checkpoint
 
 
-def _corrupt(path: str, err: BaseException, hint: str) -> CheckpointError:
+def _corrupt(path: str, err: BaseException) -> CheckpointError:
     return CheckpointError(
         f"checkpoint {path!r} is corrupt or not a torch file ({type(err).__name__}: "
-        f"{str(err)[:200]}); {hint}"
+        f"{str(err)[:200]}); {HINT}"
     )
 
 
@@ -133,10 +136,7 @@ def check_checkpoint(path: str) -> dict[str, Any]:
     """
     checkpoint = load_checkpoint(path)
     if SETTINGS_KEY not in checkpoint:
-        raise CheckpointError(
-            f"{path!r} was not written by lppo (no {SETTINGS_KEY}); pass a checkpoint written "
-            "by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
-        )
+        raise CheckpointError(f"{path!r} was not written by lppo (no {SETTINGS_KEY}); {HINT}")
     return checkpoint
 
 
