@@ -20,8 +20,8 @@ class PPOCLI(LightningCLI):
     critic, task or callbacks are addressed by ``class_path``.
     """
 
-    #: The parsed ``model`` settings while a ``--ckpt_path`` file is resumed (else ``None``).
-    _given_model: Any = None
+    #: A ``--ckpt_path`` file, hidden from LightningCLI until the classes are instantiated.
+    _ckpt_file: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -35,22 +35,23 @@ class PPOCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, then check a ``--ckpt_path`` file (weights-only) and keep the given settings.
 
-        LightningCLI next replaces every ``model.*`` setting by the checkpoint's hyperparameters;
-        :meth:`before_instantiate_classes` puts the given ones back, so resuming from a named
-        file follows the rules of ``--ckpt_path last``: ``PPOSystem.on_load_checkpoint``
-        applies the resume-safe changes and refuses the others.
+        LightningCLI would next replace every ``model.*`` setting by the file's hyperparameters,
+        so the file is hidden from it until :meth:`before_instantiate_classes`: resuming from a
+        named file follows the rules of ``--ckpt_path last`` (``PPOSystem.on_load_checkpoint``
+        applies the resume-safe changes and refuses the others).
         """
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and os.path.isfile(ckpt_path):
-            check_checkpoint(os.fspath(ckpt_path))  # before LightningCLI reads it
-            self._given_model = self.config[subcommand]["model"].clone()
+            check_checkpoint(os.fspath(ckpt_path))  # one clear error, nothing unpickled
+            self._ckpt_file = ckpt_path
+            self.config[subcommand]["ckpt_path"] = None
 
     def before_instantiate_classes(self) -> None:
-        """Put back the ``model.*`` settings given on the command line and in the config."""
-        if self._given_model is not None:
-            self.config[self.config["subcommand"]]["model"] = self._given_model
+        """Give the ``--ckpt_path`` file back to the ``fit`` call."""
+        if self._ckpt_file is not None:
+            self.config[self.config["subcommand"]]["ckpt_path"] = self._ckpt_file
 
 
 def run(args: list[str] | None = None) -> PPOCLI:

@@ -451,3 +451,17 @@ def test_a_named_checkpoint_of_another_architecture_is_refused(
     assert "model.actor.init_args.model.init_args.hidden_size: 64 -> 32" in proc.stderr
     assert "model.actor.init_args.model.init_args.num_layers: 2 -> 3" in proc.stderr
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_named_checkpoint_whose_hyperparameters_no_longer_parse_resumes(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """Its hyperparameters are not read: an init argument an older lppo had does not matter."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["actor"]["init_args"]["retired_knob"] = 1
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    proc = lppo_fit(*fit_args(tmp_path / "run", iterations=2), "--ckpt_path", str(older))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["epoch"] == 1
