@@ -198,7 +198,8 @@ def settings_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[li
 
     A difference is applicable when ``current`` lists its key under :data:`RESUME_SAFE` (what
     the components of the resuming run declare), refused otherwise; a key recorded on one
-    side only is a difference (``<absent>``).
+    side only is a difference (``<absent>``), unless the recorder of an older checkpoint
+    (its :data:`SETTINGS_VERSION`) could not record it.
     """
     safe = set(current.get(RESUME_SAFE, ()))
     version = saved.get(SETTINGS_VERSION, 1 if RESUME_SAFE in saved else 0)
