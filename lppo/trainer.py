@@ -101,6 +101,14 @@ class PPOTrainer(Trainer):
         are loaded weights-only (:func:`lppo.checkpointing.load_checkpoint`): one holding any
         other pickled object is refused before that object is built.
 
+        Args:
+            *args: passed to ``Trainer.fit``.
+            ckpt_path: the checkpoint to resume from.
+            weights_only: ``null`` / ``true``: checkpoints are loaded weights-only (tensors and
+                plain values; unpickling anything else could run code from the file);
+                ``false`` is refused.
+            **kwargs: passed to ``Trainer.fit``.
+
         Raises:
             CheckpointError: ``ckpt_path`` is missing, empty, corrupt, holds non-weights
                 content or is not lppo's.
