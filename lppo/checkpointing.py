@@ -4,7 +4,9 @@
   renames it into place, so a run killed mid-write leaves the previous checkpoint intact; stale
   temporary files of an interrupted write are removed when the next run starts.
 * :func:`check_checkpoint` turns a missing, empty, corrupt or foreign file into one
-  :class:`CheckpointError` that names the file and what is wrong with it.
+  :class:`CheckpointError` that names the file and what is wrong with it. Every checkpoint is
+  loaded weights-only (:func:`load_checkpoint`): a file holding any other pickled object is
+  refused before that object is built, so a resume or an export never runs code from a file.
 * :func:`run_settings` records the settings that shape training in every checkpoint;
   :func:`settings_changes` compares them on resume: the few that are well defined on a restored
   run are applied, any other difference stops the run with the list of differences.
@@ -18,6 +20,7 @@ import dataclasses
 import glob
 import os
 import pickle
+import re
 import zipfile
 from typing import Any
 
@@ -36,10 +39,19 @@ GROUPS = ("rollout", "ppo")
 FREE = ("runner",)
 #: Entry of the recorded settings listing the keys a resumed run may change (not a setting).
 RESUME_SAFE = "<resume_safe>"
+#: Entry of the recorded settings: what the recorder knew to record (not a setting).
+SETTINGS_VERSION = "<version>"
+#: 0: no :data:`RESUME_SAFE` entry; 1: it, no version entry; 2: callable settings objects
+#: (objectives, verifiers), factories given by ``class_path`` and ``trainer.precision`` too.
+VERSION = 2
 TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
 ROLLOUTS_KEY = "lppo_rollouts"
+#: What every :class:`CheckpointError` about a file ends with.
+HINT = "pass a checkpoint written by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
+#: How torch begins the message of a weights-only load that met a non-weights object.
+WEIGHTS_ONLY_FAILED = "Weights only load failed"
 
 
 class CheckpointError(SetupError):
@@ -97,39 +109,70 @@ def _writer_alive(path: str) -> bool:
     return True
 
 
-def check_checkpoint(path: str) -> dict[str, Any]:
-    """Load ``path`` (memory-mapped) and check that it is an lppo checkpoint.
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Load the Lightning checkpoint ``path`` weights-only (memory-mapped).
+
+    Weights-only: tensors and plain values are read, any other pickled object is refused before
+    it is built, so a file dropped into a run directory cannot run code through a resume or an
+    export. lppo writes nothing else into its checkpoints.
 
     Raises:
-        CheckpointError: the file is missing, empty, not a torch checkpoint, or not lppo's.
+        CheckpointError: the file is missing, empty, not a torch checkpoint, holds non-weights
+            content, or is not a Lightning checkpoint.
     """
-    hint = "pass a checkpoint written by `lppo fit` (e.g. <run>/checkpoints/last.ckpt)."
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path!r} does not exist; {hint}")
+        raise CheckpointError(f"checkpoint {path!r} does not exist; {HINT}")
     if os.path.getsize(path) == 0:
-        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes); {hint}")
+        raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes); {HINT}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if not str(err).startswith(WEIGHTS_ONLY_FAILED):
+            raise _corrupt(path, err) from err
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f" (a pickled {found.group(1)})" if found else ""
         raise CheckpointError(
-            f"checkpoint {path!r} is corrupt or not a torch file ({type(err).__name__}: "
-            f"{str(err)[:200]}); {hint}"
-        ) from err
+            f"checkpoint {path!r} holds non-weights content{what}: it was not loaded, since "
+            "loading it could run code. lppo's checkpoints hold only tensors and plain values; "
+            f"{HINT}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as err:
+        raise _corrupt(path, err) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"{path!r} is not a Lightning checkpoint (no state_dict); {hint}")
-    if SETTINGS_KEY not in checkpoint:
-        raise CheckpointError(f"{path!r} was not written by lppo (no {SETTINGS_KEY}); {hint}")
+        raise CheckpointError(f"{path!r} is not a Lightning checkpoint (no state_dict); {HINT}")
     return checkpoint
 
 
-def run_settings(system: Any, data: Any) -> dict[str, Any]:
+def _corrupt(path: str, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path!r} is corrupt or not a torch file ({type(err).__name__}: "
+        f"{str(err)[:200]}); {HINT}"
+    )
+
+
+def check_checkpoint(path: str) -> dict[str, Any]:
+    """Load ``path`` (weights-only, :func:`load_checkpoint`) and check that it is lppo's.
+
+    Raises:
+        CheckpointError: the file cannot be loaded, or was not written by lppo.
+    """
+    checkpoint = load_checkpoint(path)
+    if SETTINGS_KEY not in checkpoint:
+        raise CheckpointError(f"{path!r} was not written by lppo (no {SETTINGS_KEY}); {HINT}")
+    return checkpoint
+
+
+def run_settings(system: Any, data: Any, trainer: Any = None) -> dict[str, Any]:
     """The settings of a run that shape its training, flat, as ``lppo fit`` keys.
 
     Each component's settings are its recorded init arguments (:mod:`lppo.init_args`); the
-    system's own are its plain init arguments (``model.seed``, ``model.num_threads``, ...).
+    system's own are its plain init arguments (``model.seed``, ``model.num_threads``, ...);
+    the trainer's, its ``precision`` (the dtype of every model and stored column).
     Under :data:`RESUME_SAFE` the result lists the keys the objects declare ``resume_safe``.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {SETTINGS_VERSION: VERSION}
+    if trainer is not None:
+        out["trainer.precision"] = str(trainer.precision)
     safe: set[str] = set()
     for name in COMPONENTS:
         obj = getattr(system, name, None)
@@ -177,22 +220,37 @@ def settings_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[li
 
     A difference is applicable when ``current`` lists its key under :data:`RESUME_SAFE` (what
     the components of the resuming run declare), refused otherwise; a key recorded on one
-    side only is a difference (``<absent>``).
+    side only is a difference (``<absent>``), unless the recorder of an older checkpoint
+    (its :data:`SETTINGS_VERSION`) could not record it.
     """
     safe = set(current.get(RESUME_SAFE, ()))
-    # A checkpoint from before settings were recorded from init arguments has no RESUME_SAFE
-    # entry: it is compared on the keys it recorded, except those it recorded as None (its
-    # recorder wrote None for what it could not read back: *args / **kwargs, an argument kept
-    # under another name, such as the copy task's alphabet_size).
-    legacy = RESUME_SAFE not in saved
+    version = saved.get(SETTINGS_VERSION, 1 if RESUME_SAFE in saved else 0)
     applicable, refused = [], []
-    for key in sorted((set(saved) | set(current)) - {RESUME_SAFE}):
-        if legacy and saved.get(key) is None:
+    for key in sorted((set(saved) | set(current)) - {RESUME_SAFE, SETTINGS_VERSION}):
+        if _unrecorded(key, saved, version):
             continue
         old, new = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if old != new and not (isinstance(old, list) and list(old) == new):
             (applicable if key in safe else refused).append(f"{key}: {old!r} -> {new!r}")
     return applicable, refused
+
+
+def _unrecorded(key: str, saved: dict[str, Any], version: int) -> bool:
+    """Whether the recorder of ``saved`` (of ``version``) could not record ``key``.
+
+    Such a key is not compared. Version 0 (settings read back by attribute name) wrote None
+    for what it could not read (``*args`` / ``**kwargs``, an argument kept under another name,
+    such as the copy task's ``alphabet_size``); version 1 left out callable settings objects,
+    factories and ``trainer.precision``: a key it lacks is skipped, unless it lacks the whole
+    component (a critic or reward model added on resume is still refused).
+    """
+    if version == 0:
+        return saved.get(key) is None
+    if version >= VERSION or key in saved:
+        return False
+    parts = key.split(".")
+    component = len(parts) > 2 and parts[0] == "model" and parts[1] in COMPONENTS
+    return not component or f"model.{parts[1]}.class_path" in saved
 
 
 def upgrade_layout(checkpoint: dict[str, Any]) -> None:

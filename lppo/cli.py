@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lppo.checkpointing import check_checkpoint
 from lppo.cli_loggers import RecordConfig, place_logger_files
 from lppo.cli_parser import (
     DESCRIPTION,
@@ -30,6 +31,9 @@ class PPOCLI(LightningCLI):
     Every knob is documented in ``lppo fit --help``; user subclasses of the system, actor,
     critic, task or callbacks are addressed by ``class_path``.
     """
+
+    #: A ``--ckpt_path`` file, hidden from LightningCLI until the classes are instantiated.
+    _ckpt_file: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -75,10 +79,33 @@ class PPOCLI(LightningCLI):
         self.fit_parser = parser
 
     def before_instantiate_classes(self) -> None:
-        """Refuse inapplicable Trainer options; put logger files in the run directory."""
+        """Check the Trainer options, place logger files, give back the ``--ckpt_path`` file.
+
+        Inapplicable Trainer options are refused; logger files go to the run directory; the
+        file :meth:`parse_arguments` hid goes back to the ``fit`` call.
+        """
         config = self.config.get(str(self.subcommand), self.config)
         check_trainer_options(self.fit_parser, config)
         place_logger_files(config)
+        if self._ckpt_file is not None:
+            self.config[self.config["subcommand"]]["ckpt_path"] = self._ckpt_file
+
+    # ------------------------------------------ a --ckpt_path file: lppo's resume rules
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then check a ``--ckpt_path`` file (weights-only) and keep the given settings.
+
+        LightningCLI would next replace every ``model.*`` setting by the file's hyperparameters,
+        so the file is hidden from it until :meth:`before_instantiate_classes`: resuming from a
+        named file follows the rules of ``--ckpt_path last`` (``PPOSystem.on_load_checkpoint``
+        applies the resume-safe changes and refuses the others).
+        """
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and os.path.isfile(ckpt_path):
+            check_checkpoint(os.fspath(ckpt_path))  # one clear error, nothing unpickled
+            self._ckpt_file = ckpt_path
+            self.config[subcommand]["ckpt_path"] = None
 
 
 def run(args: list[str] | None = None) -> PPOCLI:

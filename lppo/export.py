@@ -29,6 +29,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from lppo.checkpointing import load_checkpoint
 from lppo.modules.critic import CriticModule
 from lppo.modules.lora import is_adapted
 
@@ -291,19 +292,22 @@ def export_from_checkpoint(
         FileNotFoundError: if ``ckpt_path`` is not a file.
         ValueError: if the checkpoint's hyperparameters do not rebuild the system (a
             checkpoint written from Python, not by ``lppo fit``).
+        CheckpointError: (a ``ValueError``) the file is empty, corrupt, holds non-weights
+            content (it is never unpickled) or is not a Lightning checkpoint.
     """
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint not found: {path} (e.g. <run dir>/checkpoints/last.ckpt)"
         )
+    load_checkpoint(str(path))  # weights-only: one clear error before Lightning reads it
     if system_cls is None:
         from lppo.system import PPOSystem
 
         system_cls = PPOSystem
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        system = system_cls.load_from_checkpoint(path, map_location="cpu")
+        system = system_cls.load_from_checkpoint(path, map_location="cpu", weights_only=True)
     except TypeError as err:  # hparams without actor / critic / task: not a CLI checkpoint
         raise ValueError(
             f"{path} does not rebuild a {system_cls.__name__} from its hyperparameters ({err}); "

@@ -12,6 +12,7 @@ must match on resume.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,8 +33,9 @@ class Record:
         class_path: ``module.QualName`` of the object's class.
         settings: init argument name -> plain value (``None``, bool, int, float, str, a list of
             them) or the :class:`Record` of a settings object given as that argument (a model
-            spec). Runtime objects (modules, tensors, callables such as optimizer factories)
-            are not settings and are left out.
+            spec, a policy objective, a verifier, a class or a factory given by
+            ``class_path``). Runtime objects (modules, tensors, functions) are not settings and
+            are left out.
         resume_safe: names of the settings a resumed run may change.
     """
 
@@ -148,9 +150,24 @@ def _recorded(value: Any) -> Any:
         return value
     if isinstance(value, tuple | list) and all(_plain(v) for v in value):
         return list(value)
+    if isinstance(value, type):  # a factory given by class_path alone (an optimizer class)
+        return Record(class_path(value))
+    if isinstance(value, functools.partial) and (factory := _partial_class(value)) is not None:
+        # A factory given by class_path and init_args: its class and settings.
+        return Record(class_path(factory), dict(_each_recorded(value.keywords)))
     if _settings_object(value):
         return record(value)
     return _RUNTIME
+
+
+def _partial_class(value: functools.partial[Any]) -> type | None:
+    """The class a partial builds (``None`` if it builds none).
+
+    ``partial(cls, **settings)``, or jsonargparse's ``partial(instantiate, instantiator, cls,
+    **settings)`` of a factory given by ``class_path``.
+    """
+    built = [a for a in (value.func, *value.args) if isinstance(a, type)]
+    return built[-1] if built else None
 
 
 def _plain(value: Any) -> bool:
@@ -158,8 +175,12 @@ def _plain(value: Any) -> bool:
 
 
 def _settings_object(value: Any) -> bool:
-    # A spec such as HFCausalLM: built from settings, holding no runtime state of its own.
-    runtime = callable(value) or isinstance(value, torch.Tensor | Collection | Mapping | type)
+    # A spec such as HFCausalLM, or a callable built from settings (a policy objective, a
+    # verifier): what it computes follows from its settings. Functions, modules, tensors and
+    # containers are runtime objects.
+    runtime = inspect.isroutine(value) or isinstance(
+        value, functools.partial | torch.nn.Module | torch.Tensor | Collection | Mapping | type
+    )
     return not runtime and hasattr(value, "__dict__")
 
 

@@ -298,7 +298,8 @@ class PPOSystem(LightningModule):
         checkpoint[RUN_LOG_KEY] = self.run_log.state_dict()
         if self.rollouts is not None:
             checkpoint[ROLLOUTS_KEY] = self.rollouts.state_dict()
-        checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(attached_trainer(self)))
+        trainer = attached_trainer(self)
+        checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(trainer), trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the task's state, so a resumed run continues its prompts where it stopped."""
@@ -312,7 +313,7 @@ class PPOSystem(LightningModule):
         trainer = attached_trainer(self)
         if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)
             return
-        current = run_settings(self, self._datamodule(trainer))
+        current = run_settings(self, self._datamodule(trainer), trainer)
         applicable, refused = settings_changes(saved, current)
         if refused:
             raise CheckpointError(

@@ -16,6 +16,7 @@ from lppo.loop import install
 from lppo.ray_runtime import RaySettings
 from lppo.run_directory import AUTO, LAST, RunDirectory, is_launching_rank_zero
 from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
+from lppo.validation import SettingError
 
 # The frozen reference policy is in eval mode on purpose.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
@@ -105,7 +106,13 @@ class PPOTrainer(Trainer):
         check_strategy(self.strategy, self.num_devices * self.num_nodes)
         install(self)
 
-    def fit(self, *args: Any, ckpt_path: str | None = None, **kwargs: Any) -> None:
+    def fit(
+        self,
+        *args: Any,
+        ckpt_path: str | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         """``Trainer.fit`` in a run directory of its own; a checkpoint is checked first.
 
         The process owning the run directory (the launch's rank zero) locks it for the run
@@ -113,12 +120,30 @@ class PPOTrainer(Trainer):
         folder's ``last.ckpt`` (an error when there is none), ``"auto"`` is ``last.ckpt``
         when it exists and a fresh run otherwise, and a fresh run into a folder holding
         checkpoints is refused unless ``overwrite``. Temporary files of an interrupted
-        checkpoint write whose writer is gone are removed.
+        checkpoint write whose writer is gone are removed. Checkpoints are loaded weights-only
+        (:func:`lppo.checkpointing.load_checkpoint`): one holding any other pickled object is
+        refused before that object is built.
+
+        Args:
+            *args: passed to ``Trainer.fit``.
+            ckpt_path: the checkpoint to resume from: a file, ``last`` or ``auto``.
+            weights_only: ``null`` / ``true``: checkpoints are loaded weights-only (tensors and
+                plain values; unpickling anything else could run code from the file);
+                ``false`` is refused.
+            **kwargs: passed to ``Trainer.fit``.
 
         Raises:
-            CheckpointError: ``ckpt_path`` is missing, empty, corrupt or not lppo's.
+            CheckpointError: ``ckpt_path`` is missing, empty, corrupt, holds non-weights
+                content or is not lppo's.
             RunDirectoryError: the run directory is in use, or holds another run.
+            SettingError: ``weights_only=False``.
         """
+        if weights_only is False:
+            raise SettingError(
+                "fit(weights_only=False): lppo loads checkpoints weights-only, since unpickling "
+                "anything else can run code; leave weights_only unset (lppo's checkpoints hold "
+                "only tensors and plain values)."
+            )
         folders = [cb.dirpath for cb in self.callbacks if isinstance(cb, IterationCheckpoint)]
         directory = RunDirectory(self.default_root_dir, folders[0] if folders else None)
         owner = is_launching_rank_zero()
@@ -138,7 +163,7 @@ class PPOTrainer(Trainer):
 
     def _fit(self, args: tuple[Any, ...], ckpt_path: str | None, kwargs: dict[str, Any]) -> None:
         try:
-            super().fit(*args, ckpt_path=ckpt_path, **kwargs)
+            super().fit(*args, ckpt_path=ckpt_path, weights_only=True, **kwargs)
         except BaseException:
             # Lightning calls no teardown hook after a failed fit; the system's stops what it
             # started (Ray rollout workers), as after a successful one.

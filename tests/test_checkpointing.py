@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from test_resume import fit
 
 from lppo.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointError
+from lppo.export import export_from_checkpoint
+from lppo.trainer import PPOTrainer
+from lppo.validation import SettingError
 
 pytestmark = pytest.mark.slow
 
@@ -88,3 +94,82 @@ def test_stale_temporaries_beside_the_target_are_removed_on_the_next_run(tmp_pat
     fit(tmp_path / "run", 2, ckpt_path="last")
     assert not stale.exists()
     assert all(TMP_MARK not in name for name in os.listdir(folder))
+
+
+# ------------------------------------------------------------- checkpoints that carry code
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+#: Makes torch unpickle everything wherever a load does not ask for weights-only explicitly.
+UNSAFE_DEFAULT = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+NOT_WEIGHTS = "holds non-weights content"
+
+
+class Payload:
+    """Unpickling it creates ``marker``: it stands for any code a pickled object can run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def with_payload(run_dir: Path, folder: Path) -> tuple[Path, Path]:
+    """``folder/checkpoints/last.ckpt``: the run's real checkpoint with a payload inside."""
+    checkpoint = torch.load(last(run_dir), map_location="cpu", weights_only=True)
+    marker = folder / "payload-ran"
+    checkpoint["lppo_task"]["note"] = Payload(marker)
+    path = folder / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save(checkpoint, path)
+    return path, marker
+
+
+@pytest.mark.parametrize("ckpt_path", ["last", "file"])
+def test_a_payload_checkpoint_never_runs_through_fit(tmp_path, run_dir, monkeypatch, ckpt_path):
+    path, marker = with_payload(run_dir, tmp_path)
+    monkeypatch.setenv(UNSAFE_DEFAULT, "1")
+    with pytest.raises(CheckpointError, match=NOT_WEIGHTS) as info:
+        fit(tmp_path, 2, ckpt_path="last" if ckpt_path == "last" else str(path))
+    assert str(path) in str(info.value) and "exec" in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("ckpt_path", ["last", "file"])
+def test_a_payload_checkpoint_never_runs_through_lppo_fit(tmp_path, run_dir, ckpt_path):
+    path, marker = with_payload(run_dir, tmp_path)
+    args = ["fit", "--config", str(TINY), "--trainer.default_root_dir", str(tmp_path)]
+    args += ["--ckpt_path", "last" if ckpt_path == "last" else str(path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lppo.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, UNSAFE_DEFAULT: "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode != 0
+    assert f"CheckpointError: checkpoint {str(path)!r} {NOT_WEIGHTS}" in proc.stderr
+    assert not marker.exists()
+
+
+def test_a_payload_checkpoint_never_runs_through_export(tmp_path, run_dir, monkeypatch):
+    path, marker = with_payload(run_dir, tmp_path)
+    monkeypatch.setenv(UNSAFE_DEFAULT, "1")
+    with pytest.raises(CheckpointError, match=NOT_WEIGHTS):
+        export_from_checkpoint(path, tmp_path / "export")
+    assert not marker.exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lppo.export", str(path), str(tmp_path / "export")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, UNSAFE_DEFAULT: "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 2 and f"{str(path)!r} {NOT_WEIGHTS}" in proc.stderr
+    assert not marker.exists() and not (tmp_path / "export").exists()
+
+
+def test_a_fit_that_asks_to_unpickle_everything_is_refused(tmp_path, run_dir):
+    trainer = PPOTrainer(default_root_dir=str(tmp_path), accelerator="cpu")
+    with pytest.raises(SettingError, match=r"weights_only=False"):
+        trainer.fit(None, ckpt_path=str(last(run_dir)), weights_only=False)

@@ -392,3 +392,70 @@ def test_load_from_checkpoint_rebuilds_the_system(tmp_path):
     assert trained.keys() == loaded.state_dict().keys()
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, trained[k]), k
+
+
+# ------------------------------------------------------------ resume from a named file
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``last.ckpt`` of one iteration of the shrunk tiny config (hidden 64, 2 layers)."""
+    root = tmp_path_factory.mktemp("named") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in OFFLINE_ENV.items():
+            mp.setenv(key, value)
+        run(fit_args(root))
+    return root / "checkpoints" / "last.ckpt"
+
+
+def lppo_fit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lppo.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **OFFLINE_ENV},
+    )
+
+
+def test_a_named_checkpoint_resumes_with_a_changed_learning_rate(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    lr = "--model.actor.init_args.lr"
+    proc = lppo_fit(
+        *fit_args(tmp_path, lr, "0.001", iterations=2), "--ckpt_path", str(tiny_checkpoint)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    applied = "resuming with changed settings (applied): model.actor.init_args.lr: 0.003 -> 0.001"
+    assert applied in proc.stdout + proc.stderr
+    resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["epoch"] == 1  # restored from iteration 0, trained iteration 1
+    assert resumed["lppo_settings"]["model.actor.init_args.lr"] == 0.001
+    assert resumed["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.001)
+
+
+def test_a_named_checkpoint_of_another_architecture_is_refused(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    model = "--model.actor.init_args.model.init_args"
+    changed = [f"{model}.hidden_size", "32", f"{model}.num_layers", "3"]
+    proc = lppo_fit(
+        *fit_args(tmp_path, *changed, iterations=2), "--ckpt_path", str(tiny_checkpoint)
+    )
+    assert proc.returncode != 0
+    assert "resuming with settings that differ from the checkpoint's" in proc.stderr
+    assert "model.actor.init_args.model.init_args.hidden_size: 64 -> 32" in proc.stderr
+    assert "model.actor.init_args.model.init_args.num_layers: 2 -> 3" in proc.stderr
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_named_checkpoint_whose_hyperparameters_no_longer_parse_resumes(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """Its hyperparameters are not read: an init argument an older lppo had does not matter."""
+    checkpoint = torch.load(tiny_checkpoint, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["actor"]["init_args"]["retired_knob"] = 1
+    older = tmp_path / "older.ckpt"
+    torch.save(checkpoint, older)
+    proc = lppo_fit(*fit_args(tmp_path / "run", iterations=2), "--ckpt_path", str(older))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["epoch"] == 1

@@ -8,13 +8,25 @@ any other knob may not.
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from test_resume import fit
 
-from lppo.checkpointing import RESUME_SAFE, CheckpointError, run_settings, settings_changes
+from lppo.algorithms import ClippedPPO
+from lppo.checkpointing import (
+    RESUME_SAFE,
+    SETTINGS_VERSION,
+    CheckpointError,
+    run_settings,
+    settings_changes,
+)
 from lppo.data import ReplayDataModule
 from lppo.init_args import Record, RecordsInitArgs, record
 from lppo.models import HFCausalLM
@@ -22,6 +34,7 @@ from lppo.modules import ActorModule
 from lppo.rollout import HFGenerateEngine
 from lppo.system import PPOSystem
 from lppo.tasks import CopyTask
+from lppo.trainer import PPOTrainer
 
 
 class RenamedEngine(HFGenerateEngine):
@@ -117,7 +130,7 @@ def test_a_copied_or_pickled_component_keeps_its_record():
 
 def test_checkpoints_written_before_the_resume_safe_entry_still_resume():
     current = settings()
-    legacy = {k: v for k, v in current.items() if k != RESUME_SAFE}
+    legacy = {k: v for k, v in current.items() if k not in (RESUME_SAFE, SETTINGS_VERSION)}
     legacy.pop("model.tokenizer_path")  # not recorded then
     legacy["model.actor.init_args.kwargs"] = None  # **kwargs was recorded as None then
     # read back by attribute name then: the copy task keeps alphabet_size under another name
@@ -128,13 +141,34 @@ def test_checkpoints_written_before_the_resume_safe_entry_still_resume():
     assert settings_changes(moved, current)[1] == [
         f"model.seed: {current['model.seed'] + 1!r} -> {current['model.seed']!r}"
     ]
-    # A checkpoint with the entry is compared on every key.
-    _, refused = settings_changes(dict(legacy, **{RESUME_SAFE: []}), current)
+    # A checkpoint of today's recorder is compared on every key.
+    _, refused = settings_changes(dict(legacy, **{RESUME_SAFE: [], SETTINGS_VERSION: 2}), current)
     assert refused == [
         "model.actor.init_args.kwargs: None -> '<absent>'",
         "model.task.init_args.alphabet_size: None -> 8",
         "model.tokenizer_path: '<absent>' -> None",
     ]
+
+
+def test_checkpoints_written_before_callables_were_recorded_still_resume(tmp_path):
+    """Version 1 left out objectives, verifiers, factories and trainer.precision."""
+    spec = HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    actor = ActorModule(spec, objective=ClippedPPO(clip_high=0.28))
+    trainer = PPOTrainer(default_root_dir=str(tmp_path), accelerator="cpu")
+    built = PPOSystem(actor=actor, critic=None, task=CopyTask())
+    current = run_settings(built, ReplayDataModule(), trainer)
+    assert current["trainer.precision"] == "32-true"
+    objective = "model.actor.init_args.objective"
+    assert current[f"{objective}.class_path"] == "lppo.algorithms.objectives.ClippedPPO"
+    unrecorded = (SETTINGS_VERSION, "trainer.precision")
+    old = {k: v for k, v in current.items() if k not in unrecorded and objective not in k}
+    assert settings_changes(old, current) == ([], [])
+    # What it recorded is still compared, and a component it did not have is refused.
+    moved = dict(old, **{"model.seed": 7})
+    assert settings_changes(moved, current)[1] == [f"model.seed: 7 -> {current['model.seed']}"]
+    critic = {"model.critic.class_path": "lppo.modules.critic.CriticModule"}
+    _, refused = settings_changes(old, dict(current, **critic))  # the helper's has no critic
+    assert refused == ["model.critic.class_path: '<absent>' -> 'lppo.modules.critic.CriticModule'"]
 
 
 @pytest.mark.slow
@@ -156,3 +190,73 @@ def test_a_reward_model_records_its_classifier_spec():
     rec = record(RewardModel(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2), weight=0.5))
     assert isinstance(rec.settings["model"], Record)
     assert rec.settings["model"].settings["hidden_size"] == 32 and rec.settings["weight"] == 0.5
+
+
+# ------------------------------------------------------- every setting, through `lppo fit`
+ROOT = Path(__file__).resolve().parents[1]
+SHRUNK = ["--model.rollout.prompts_per_iteration", "4", "--model.rollout.samples_per_prompt", "2"]
+ACTOR = "--model.actor.init_args"
+
+
+def lppo_fit(
+    config: str, root: Path, *extra: str, iterations: int = 1
+) -> subprocess.CompletedProcess[str]:
+    """``lppo fit`` on ``configs/<config>.yaml`` (shrunk) from the repository root."""
+    args = ["fit", "--config", f"configs/{config}.yaml", *SHRUNK]
+    args += ["--trainer.max_epochs", str(iterations), "--trainer.default_root_dir", str(root)]
+    return subprocess.run(
+        [sys.executable, "-m", "lppo.cli", *args, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("config", "changes", "listed"),
+    [
+        (
+            "dataset",
+            [
+                "--model.task.init_args.path",
+                "{tmp}/other.jsonl",
+                "--model.task.init_args.verifier",
+                "lppo.tasks.verifiers.ExactMatch",
+                f"{ACTOR}.off_policy.mode",
+                "truncate",
+                f"{ACTOR}.objective.init_args.clip_high",
+                "0.2",
+                f"{ACTOR}.optimizer",
+                "torch.optim.SGD",
+                "--trainer.precision",
+                "64-true",
+            ],
+            [
+                "model.task.init_args.path: 'examples/data/arith.jsonl' -> '{tmp}/other.jsonl'",
+                "model.task.init_args.verifier.class_path: 'lppo.tasks.verifiers.NumericAnswer'"
+                " -> 'lppo.tasks.verifiers.ExactMatch'",
+                "model.actor.init_args.off_policy.init_args.mode: 'auto' -> 'truncate'",
+                "model.actor.init_args.objective.init_args.clip_high: 0.28 -> 0.2",
+                "model.actor.init_args.optimizer.class_path: '<absent>' -> 'torch.optim.sgd.SGD'",
+                "trainer.precision: '32-true' -> '64-true'",
+            ],
+        ),
+        ("tiny", ["--model.task.init_args.alphabet_size", "5"], ["alphabet_size: 8 -> 5"]),
+    ],
+    ids=["dataset", "tiny"],
+)
+def test_a_resume_lists_every_changed_setting(tmp_path, config, changes, listed):
+    """Data file, verifier, nested objects, factories, task arguments and precision."""
+    shutil.copy(ROOT / "examples" / "data" / "arith.jsonl", tmp_path / "other.jsonl")
+    first = lppo_fit(config, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    changes = [c.replace("{tmp}", str(tmp_path)) for c in changes]
+    resumed = lppo_fit(config, tmp_path, *changes, "--ckpt_path", "last", iterations=2)
+    stderr = resumed.stderr
+    assert resumed.returncode != 0
+    assert "resuming with settings that differ from the checkpoint's" in stderr
+    missing = [line for line in listed if line.replace("{tmp}", str(tmp_path)) not in stderr]
+    assert not missing, stderr[-3000:]

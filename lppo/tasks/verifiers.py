@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Sequence
 
+from lppo.init_args import RecordsInitArgs
 from lppo.validation import check_number
 
 __all__ = ["ExactMatch", "NumericAnswer", "Verifier", "extract_number"]
@@ -24,12 +25,13 @@ __all__ = ["ExactMatch", "NumericAnswer", "Verifier", "extract_number"]
 NUMBER = re.compile(r"(?:(?<![\w).])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 
 
-class Verifier(abc.ABC):
+class Verifier(RecordsInitArgs, abc.ABC):
     """Scores one completion against its reference answer.
 
     Subclasses implement :meth:`__call__`; override :meth:`batch` to score many at once (a
     reward model, a sandbox) and :meth:`validate_answer` to reject unusable reference answers
-    when the dataset is loaded rather than mid-run.
+    when the dataset is loaded rather than mid-run. A verifier's init arguments are recorded
+    in checkpoints (:class:`~lppo.init_args.RecordsInitArgs`): a resumed run must score alike.
     """
 
     @abc.abstractmethod
@@ -61,7 +63,7 @@ class Verifier(abc.ABC):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
         return [float(self(c, a)) for c, a in zip(completions, answers, strict=True)]
 
-    def validate_answer(self, answer: str) -> None:  # noqa: B027 (optional hook)
+    def validate_answer(self, answer: str) -> None:
         """Raise ``ValueError`` if ``answer`` cannot be scored against (default: accept all).
 
         Args:
