@@ -135,6 +135,8 @@ class PPOSystem(LightningModule):
         self.reward_model = reward_model
         self.rollout = rollout
         self.ppo = ppo
+        # the limit travels with the task, to every process that rewards (rollout, Ray workers)
+        task.reward_timeout_s = ppo.reward_timeout_s
         self.tokenizer_path = tokenizer_path
         check_number("model.seed", seed, integer=True, low=0)
         check_number(

@@ -36,6 +36,11 @@ class Task(RecordsInitArgs, abc.ABC):
     #: Short registry name of the task (see :func:`lppo.tasks.get_task`).
     name: str = "task"
 
+    #: Seconds one :meth:`rewards` call may take before it is stopped and fails the iteration
+    #: (``None``: no limit). Not a task setting: the run sets it from
+    #: ``model.ppo.reward_timeout_s`` (it travels with the task to rollout processes).
+    reward_timeout_s: float | None = None
+
     @abc.abstractmethod
     def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
         """Draw ``n`` prompts.
