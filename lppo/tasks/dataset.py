@@ -357,6 +357,11 @@ class DatasetTask(Task):
             chars.update(text)
         return "".join(sorted(chars))
 
+    def sample_texts(self) -> list[str]:
+        """Prompt texts and answers of up to 2048 rows spread over the file(s); the walk stays."""
+        rows = range(0, len(self.texts), max(1, len(self.texts) // 2048))
+        return [text for r in rows for text in (self.texts[r], self.answers[r])]
+
     def max_prompt_length(self) -> int:
         """Longest prompt text of the dataset, in characters (never advances the walk)."""
         return max(len(t) for t in self.texts)
