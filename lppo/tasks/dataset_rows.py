@@ -45,7 +45,7 @@ class RowLocator:
             self._counts = [self._rows(f) for f in self.files]
         for file, count in zip(self.files, self._counts, strict=True):
             if row < count:
-                if self.fmt == "parquet":
+                if self.fmt == "parquet" or _is_json_array(file):
                     return f"row {row + 1} of {file!r}"
                 return f"line {_line_of_row(file, row)} of {file!r}"
             row -= count
@@ -56,8 +56,17 @@ class RowLocator:
             import pyarrow.parquet as pq  # a dependency of `datasets`
 
             return pq.ParquetFile(file).metadata.num_rows
+        if _is_json_array(file):  # a .json file holding one array of rows
+            with open(file, encoding="utf-8") as f:
+                return len(json.load(f))
         with open(file, "rb") as lines:
             return sum(1 for line in lines if line.strip())
+
+
+def _is_json_array(file: str) -> bool:
+    """Whether a JSON file holds one array of rows rather than JSON lines."""
+    with open(file, "rb") as f:
+        return f.read(4096).lstrip()[:1] == b"["
 
 
 def _line_of_row(file: str, row: int) -> int:

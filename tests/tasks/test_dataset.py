@@ -402,3 +402,14 @@ def test_resume_continues_the_dataset_where_it_stopped(tmp_path: Path) -> None:
     params_a, params_b = straight.model.state_dict(), resumed.model.state_dict()
     assert params_a.keys() == params_b.keys()
     assert all(torch.equal(params_a[k], params_b[k]) for k in params_a)
+
+
+def test_a_json_array_file_names_the_1_based_row(tmp_path: Path) -> None:
+    path = tmp_path / "rows.json"
+    path.write_text(
+        json.dumps(
+            [{"question": "1+1", "answer": "2"}, {"question": None, "answer": "3"}], indent=2
+        )
+    )
+    with pytest.raises(ValueError, match=r"row 2 of '.*rows\.json' .* field 'question'"):
+        make(path)
