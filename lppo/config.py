@@ -34,6 +34,11 @@ class PPOConfig:
         overlong_penalty: the reward lost by a response of ``max_new_tokens`` tokens.
         max_abs_reward: rewards with a larger magnitude (like non-finite ones) make their row
             invalid: counted, never trained on (``null``: only non-finite rewards do).
+        reward_timeout_s: seconds one ``Task.rewards`` call may take; a call still running
+            then is stopped and its iteration fails (``RewardError``, then the failure
+            policy) naming the limit (``null``: no limit; the default). Whatever the limit, a
+            reward cannot block ``SIGTERM`` / ``SIGINT``, and anything it raises
+            (``SystemExit``, ``KeyboardInterrupt`` too) fails the iteration, never the process.
         max_consecutive_skipped_steps: optimizer steps of one module skipped in a row (non-finite
             gradient norm) before the run stops with an error; every skip is warned about.
         max_skipped_steps: skipped steps over the whole run (actor and critic together) before
@@ -70,6 +75,7 @@ class PPOConfig:
         "max_skipped_steps",
         "max_failed_iterations",
         "transactional",
+        "reward_timeout_s",
     )
 
     kl_coef: float = 0.0
@@ -83,6 +89,7 @@ class PPOConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     max_abs_reward: float | None = None
+    reward_timeout_s: float | None = None
     max_consecutive_skipped_steps: int = 3
     max_skipped_steps: int | None = None
     transactional: bool = False
@@ -108,6 +115,14 @@ class PPOConfig:
             low_open=True,
             optional=True,
             fix="null: only non-finite rewards make rows invalid.",
+        )
+        check_number(
+            "model.ppo.reward_timeout_s",
+            self.reward_timeout_s,
+            low=0,
+            low_open=True,
+            optional=True,
+            fix="null: no limit on a reward call.",
         )
         check_number(
             "model.ppo.max_skipped_steps",

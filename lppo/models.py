@@ -8,12 +8,18 @@ without touching the global RNG. Every built model exposes ``model.config.hidden
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import transformers
 
 from lppo.validation import SettingError, check_number
 
 ARCHITECTURES = ("llama", "gpt2")
+
+#: Files of a tokenizer saved next to a checkpoint (any of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,6 +45,13 @@ def resolve_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def _own_vocabulary(path: str) -> dict[str, int] | None:
+    """The vocabulary of the tokenizer saved with a checkpoint (``None``: it has none)."""
+    if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        return None
+    return dict(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab())
 
 
 def hidden_size_of(model: transformers.PreTrainedModel) -> int:
@@ -157,6 +170,44 @@ class HFCausalLM:
             attn_pdrop=0.0,
             summary_first_dropout=0.0,
             **ids,
+        )
+
+    def check_vocabulary(self, key: str, tokenizer: Any, resize: bool) -> None:
+        """Refuse a checkpoint whose vocabulary is not the run's tokenizer's, unless ``resize``.
+
+        A checkpoint with fewer token embeddings than the tokenizer has tokens, or one that
+        ships a tokenizer other than the run's, would read the run's ids as other tokens.
+
+        Args:
+            key: where the spec sits in the configuration (``model.actor.init_args.model``).
+            tokenizer: the run's tokenizer.
+            resize: ``model.resize_embeddings``: resize the embeddings to the tokenizer instead.
+
+        Raises:
+            SettingError: naming the checkpoint, both vocabularies and the fixes.
+        """
+        if self.pretrained_path is None or resize:
+            return
+        path, size = self.pretrained_path, len(tokenizer)
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        rows = getattr(config, "vocab_size", None)
+        own = _own_vocabulary(path)
+        if rows is not None and rows < size:
+            problem = f"has {rows} token embeddings but the run's tokenizer has {size} tokens"
+        elif own is not None and own != tokenizer.get_vocab():
+            theirs = tokenizer.get_vocab()
+            differ = sorted(k for k in own.keys() | theirs.keys() if own.get(k) != theirs.get(k))
+            problem = (
+                f"ships a tokenizer of {len(own)} tokens that is not the run's ({size} tokens; "
+                f"{len(differ)} tokens differ, e.g. {differ[:5]})"
+            )
+        else:
+            return
+        raise SettingError(
+            f"{key}.init_args.pretrained_path={path!r} {problem}: the run's token ids would "
+            f"not mean its tokens. Use its own tokenizer (model.tokenizer_path={path!r}) or a "
+            "checkpoint trained with the run's; or set model.resize_embeddings: true to resize "
+            "its embeddings to the run's tokenizer (rows it adds start untrained)."
         )
 
     def _random_causal_lm(

@@ -27,6 +27,7 @@ from lppo.estimators import GAE, AdvantageEstimator
 from lppo.failure_policy import FailurePolicy
 from lppo.hooks import PPOCallback
 from lppo.loop import attached_trainer, instantiated_by_cli
+from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
@@ -37,7 +38,7 @@ from lppo.rollout.runners import RolloutRunner
 from lppo.run_log import RunLog
 from lppo.strategy import check_strategy, parallel_context
 from lppo.tasks import Task
-from lppo.tokenizer import build_char_tokenizer
+from lppo.tokenizer import build_char_tokenizer, check_task_coverage
 from lppo.types import IterationResult
 from lppo.validation import SettingError, check_number
 
@@ -90,6 +91,9 @@ class PPOSystem(LightningModule):
             background process, or ``lppo.rollout.ThreadRunner`` for Ray rollout workers;
             ``lppo.rollout.InlineRunner`` generates stale rollouts in the trainer, without
             overlap: the same rows).
+        resize_embeddings: resize a checkpoint's token embeddings (actor, critic or reward
+            model) to the run's tokenizer when their vocabularies differ (rows it adds start
+            untrained); ``false`` (default): such a checkpoint is refused at setup.
     """
 
     #: ``model.num_threads`` is applied at setup, so a resumed run may change it.
@@ -109,8 +113,15 @@ class PPOSystem(LightningModule):
         seed: int = 0,
         num_threads: int | None = None,
         runner: RolloutRunner | None = None,
+        resize_embeddings: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(resize_embeddings, bool):
+            raise SettingError(
+                f"model.resize_embeddings={resize_embeddings!r} must be true or false (false: "
+                "a checkpoint whose vocabulary is not the tokenizer's is refused)."
+            )
+        self.resize_embeddings = resize_embeddings
         # Under LightningCLI the hparams are the parsed config (class_path / init_args), from
         # which `PPOSystem.load_from_checkpoint` rebuilds everything; from Python, objects are
         # kept out of the hparams so checkpoints stay loadable with weights_only=True.
@@ -135,6 +146,8 @@ class PPOSystem(LightningModule):
         self.reward_model = reward_model
         self.rollout = rollout
         self.ppo = ppo
+        # the limit travels with the task, to every process that rewards (rollout, Ray workers)
+        task.reward_timeout_s = ppo.reward_timeout_s
         self.tokenizer_path = tokenizer_path
         check_number("model.seed", seed, integer=True, low=0)
         check_number(
@@ -245,6 +258,7 @@ class PPOSystem(LightningModule):
     def _configure_modules(self) -> None:
         """Build the tokenizer, actor, critic, reward model and the frozen reference."""
         self.tokenizer = tok = self._tokenizer()
+        self._check_vocabularies(tok)
         ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
         self.actor.configure_model(*ids)
         for module in (self.critic, self.reward_model):
@@ -259,6 +273,19 @@ class PPOSystem(LightningModule):
         )
         if self.ppo.kl_coef > 0 or self.actor.needs_reference:
             self.reference = self.actor.reference_policy()
+
+    def _check_vocabularies(self, tok: Any) -> None:
+        """The tokenizer has every character of the task; each checkpoint has its vocabulary."""
+        check_task_coverage(tok, self.task, self.tokenizer_path)
+        keys = (
+            "actor.init_args.model",
+            "critic.init_args.backbone",
+            "reward_model.init_args.model",
+        )
+        for key, module in zip(keys, (self.actor, self.critic, self.reward_model), strict=True):
+            spec = getattr(module, "spec", None)
+            if isinstance(spec, HFCausalLM):
+                spec.check_vocabulary(f"model.{key}", tok, self.resize_embeddings)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer_path is None:

@@ -9,8 +9,14 @@ skip_special_tokens=True) == s`` for every ``s`` drawn from the vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import transformers
 from tokenizers import Tokenizer, decoders, models, processors
+
+from lppo.tasks.base import Task
+from lppo.validation import SettingError
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -71,3 +77,71 @@ def build_char_tokenizer(vocabulary: str) -> transformers.PreTrainedTokenizerFas
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+
+
+def check_coverage(tokenizer: Any, texts: Sequence[str], fix: str) -> None:
+    """Refuse a tokenizer that maps a character of ``texts`` to its unknown token.
+
+    Such characters would reach the models as ``<unk>`` and never come back out of a
+    completion, so the task's answers containing them could not be produced.
+
+    Args:
+        tokenizer: the run's tokenizer (one without an unknown token passes).
+        texts: prompts and reference answers of the task.
+        fix: what to do about it (appended to the message).
+
+    Raises:
+        SettingError: naming the characters (at most 20), a text holding the first, and ``fix``.
+    """
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not texts:
+        return
+    missing: dict[str, None] = {}  # ordered set
+    first: str | None = None
+    for start in range(0, len(texts), 512):  # batched: a fast tokenizer encodes in parallel
+        batch = list(texts[start : start + 512])
+        for text, chars in zip(batch, _unknown_chars(tokenizer, batch, unk), strict=True):
+            if chars and first is None:
+                first = text
+            missing.update(dict.fromkeys(chars))
+    if missing:
+        shown = "".join(list(missing)[:20])
+        raise SettingError(
+            f"the tokenizer maps {len(missing)} character(s) of the task's prompts and answers to "
+            f"{tokenizer.unk_token}: {shown!r} (first in {first!r}); {fix}"
+        )
+
+
+def _unknown_chars(tokenizer: Any, texts: list[str], unk: int) -> list[list[str]]:
+    """Per text, the characters the tokenizer encodes as ``unk``."""
+    if not getattr(tokenizer, "is_fast", False):  # no offsets: one character at a time
+        return [
+            [c for c in dict.fromkeys(t) if unk in tokenizer.encode(c, add_special_tokens=False)]
+            for t in texts
+        ]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        [c for i, (a, b) in zip(ids, spans, strict=True) if i == unk for c in text[a:b]]
+        for text, ids, spans in zip(texts, enc["input_ids"], enc["offset_mapping"], strict=True)
+    ]
+
+
+def check_task_coverage(tokenizer: Any, task: Task, tokenizer_path: str | None) -> None:
+    """:func:`check_coverage` of ``task.sample_texts()``, with the fix for the run's tokenizer.
+
+    Args:
+        tokenizer: the run's tokenizer.
+        task: the task whose prompts and answers it must encode.
+        tokenizer_path: ``model.tokenizer_path`` (``None``: the character tokenizer).
+    """
+    if tokenizer_path is None:
+        fix = (
+            f"add them to {type(task).__name__}.vocabulary() (the character tokenizer is built "
+            "from it)."
+        )
+    else:
+        fix = (
+            f"use a tokenizer that has them (model.tokenizer_path={tokenizer_path!r}), or "
+            "remove them from the task's text."
+        )
+    check_coverage(tokenizer, task.sample_texts(), fix)

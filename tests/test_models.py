@@ -3,6 +3,8 @@ import torch
 import transformers
 
 from lppo.models import HFCausalLM, hidden_size_of
+from lppo.tokenizer import build_char_tokenizer
+from lppo.validation import SettingError
 
 IDS = {"vocab_size": 20, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -64,3 +66,28 @@ def test_dtype():
 def test_bad_args(kwargs):
     with pytest.raises(ValueError):
         HFCausalLM(**kwargs).validate("model.actor.init_args.model.init_args")
+
+
+def test_a_checkpoint_with_fewer_embeddings_than_the_tokenizer_is_refused(tmp_path):
+    HFCausalLM(seed=1).build(**{**IDS, "vocab_size": 12}).save_pretrained(tmp_path)
+    factory = HFCausalLM(pretrained_path=str(tmp_path))
+    tok = build_char_tokenizer("abcdefghijklmnop")  # 20 tokens
+    key = "model.actor.init_args.model"
+    match = (
+        rf"{key}\.init_args\.pretrained_path='.*' has 12 token embeddings but the run's "
+        r"tokenizer has 20 tokens: .*model\.resize_embeddings: true"
+    )
+    with pytest.raises(SettingError, match=match):
+        factory.check_vocabulary(key, tok, resize=False)
+    factory.check_vocabulary(key, tok, resize=True)  # asked for: resized when built
+    assert factory.build(**IDS).get_input_embeddings().num_embeddings == 20
+
+
+def test_a_checkpoint_with_another_tokenizer_is_refused(tmp_path):
+    HFCausalLM(seed=1).build(**IDS).save_pretrained(tmp_path)
+    build_char_tokenizer("ABCDEFGHIJKLMNOP").save_pretrained(tmp_path)  # 20 tokens, not ours
+    factory = HFCausalLM(pretrained_path=str(tmp_path))
+    key = "model.reward_model.init_args.model"
+    with pytest.raises(SettingError, match=r"ships a tokenizer of 20 tokens that is not the run"):
+        factory.check_vocabulary(key, build_char_tokenizer("abcdefghijklmnop"), resize=False)
+    factory.check_vocabulary(key, build_char_tokenizer("ABCDEFGHIJKLMNOP"), resize=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,8 @@ def fit(root: Path, iterations: int = 2, **kwargs) -> PPOSystem:
         actor=ActorModule(spec(0), lr=3e-3),
         critic=CriticModule(spec(1), lr=3e-3),
         rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=4),
-        ppo=PPOConfig(actor_minibatches=2),
         num_threads=1,
-        **{"task": BatchOnlyTask(), **kwargs},
+        **{"task": BatchOnlyTask(), "ppo": PPOConfig(actor_minibatches=2), **kwargs},
     )
     trainer = PPOTrainer(max_epochs=iterations, default_root_dir=str(root), accelerator="cpu")
     trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=64))
@@ -167,6 +167,14 @@ class _BadRewards(BatchOnlyTask):
             return [0.0] * (len(completions) - 1)
         if self.mode == "type":
             return ["1.0"] + [0.0] * (len(completions) - 1)
+        if self.mode == "exit":  # user code ending the process must fail the iteration only
+            raise SystemExit(0)
+        if self.mode == "interrupt":  # raised by the code, not by a Ctrl-C
+            raise KeyboardInterrupt("gave up")
+        if self.mode == "huge":  # no float holds it
+            return [10**400] * len(completions)
+        if self.mode == "hang":
+            time.sleep(3600)
         return 0.5
 
 
@@ -181,10 +189,19 @@ class _BadRewards(BatchOnlyTask):
         ("count", r"returned 7 rewards for 8 samples"),
         ("type", r"returned str '1\.0' for sample 1 of 8 \(prompt '.+', completion"),
         ("scalar", r"returned float for a batch of 8 samples \(first prompt .+\); return"),
+        ("exit", r"raised SystemExit: 0 \(sample 1 of 8: prompt '.+', completion"),
+        ("interrupt", r"raised KeyboardInterrupt: gave up \(sample 1 of 8: prompt '.+'"),
+        ("huge", r"returned int 10+\.\.\. \(401 characters\) for sample 1 of 8 \(prompt"),
+        (
+            "hang",
+            r"did not return within model\.ppo\.reward_timeout_s=0\.5 s and was stopped on a "
+            r"batch of 8 samples \(first prompt '.+'\); make the reward faster",
+        ),
     ],
 )
 def test_a_broken_reward_function_fails_clearly(tmp_path: Path, mode, fragment) -> None:
     from lppo.errors import IterationError
 
+    ppo = PPOConfig(actor_minibatches=2, reward_timeout_s=0.5)
     with pytest.raises(IterationError, match=rf"iteration 1, phase rollout: .*{fragment}"):
-        fit(tmp_path, iterations=1, task=_BadRewards(mode))
+        fit(tmp_path, iterations=1, task=_BadRewards(mode), ppo=ppo)

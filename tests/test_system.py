@@ -13,6 +13,7 @@ from lppo.modules import ActorModule, CriticModule
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import ArithmeticTask, CopyTask
 from lppo.trainer import PPOTrainer
+from lppo.validation import SettingError
 
 
 def spec(seed: int) -> HFCausalLM:
@@ -109,3 +110,39 @@ def test_token_budget_below_longest_row_fails_at_setup(tmp_path):
     assert model.actor.optimizer is None or all(
         len(s) == 0 for s in model.actor.optimizer.state.values()
     )
+
+
+class _ShortVocabulary(CopyTask):
+    """A copy task whose vocabulary() forgets a letter its prompts use."""
+
+    def vocabulary(self) -> str:
+        return super().vocabulary().replace("c", "")
+
+
+def test_a_task_character_the_tokenizer_lacks_fails_at_setup(tmp_path):
+    trainer = PPOTrainer(max_epochs=1, default_root_dir=str(tmp_path))
+    with pytest.raises(SettingError, match=r"to <unk>: 'c' .*_ShortVocabulary\.vocabulary\(\)"):
+        trainer.fit(system(task=_ShortVocabulary()), datamodule=ReplayDataModule())
+
+
+@pytest.mark.parametrize("resize", [False, True])
+def test_a_policy_checkpoint_of_another_vocabulary_needs_resize_embeddings(tmp_path, resize):
+    checkpoint = tmp_path / "policy"
+    HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64).build(
+        vocab_size=8, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    ).save_pretrained(checkpoint)
+    model = system()
+    model.actor = ActorModule(HFCausalLM(pretrained_path=str(checkpoint)), lr=1e-3)
+    model.resize_embeddings = resize
+    trainer = PPOTrainer(max_epochs=1, default_root_dir=str(tmp_path))
+    if not resize:
+        with pytest.raises(SettingError, match=r"model\.actor\.init_args\.model\.init_args\.pre"):
+            trainer.fit(model, datamodule=ReplayDataModule(max_tokens_per_chunk=24))
+        return
+    trainer.fit(model, datamodule=ReplayDataModule(max_tokens_per_chunk=24))
+    assert model.actor.model.get_input_embeddings().num_embeddings == len(model.tokenizer)
+
+
+def test_resize_embeddings_must_be_a_bool():
+    with pytest.raises(SettingError, match=r"model\.resize_embeddings='yes' must be true or"):
+        PPOSystem(actor=ActorModule(spec(0)), critic=None, task=CopyTask(), resize_embeddings="yes")

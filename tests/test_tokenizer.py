@@ -4,7 +4,13 @@ import pytest
 import transformers
 
 from lppo.tasks import ArithmeticTask, CopyTask
-from lppo.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from lppo.tokenizer import (
+    SPECIAL_TOKENS,
+    build_char_tokenizer,
+    check_coverage,
+    check_task_coverage,
+)
+from lppo.validation import SettingError
 
 
 @pytest.mark.parametrize(
@@ -63,3 +69,29 @@ def test_save_and_reload(tmp_path):
 def test_empty_vocabulary_rejected():
     with pytest.raises(ValueError):
         build_char_tokenizer("")
+
+
+def test_characters_the_tokenizer_does_not_know_fail_with_the_characters_and_the_fix():
+    tok = build_char_tokenizer("0123456789+=")
+    check_coverage(tok, ["12+3=", "15"], "fix it.")  # every character known: passes
+    with pytest.raises(SettingError, match=r"maps 2 character\(s\) .* to <unk>: 'x÷' \(first in "):
+        check_coverage(tok, ["12+3=", "1x2÷3=", "7x"], "fix it.")
+
+
+class _ShortVocabulary(CopyTask):
+    """A copy task whose vocabulary() forgets a letter its prompts use."""
+
+    def vocabulary(self) -> str:
+        return super().vocabulary().replace("c", "")
+
+
+def test_the_task_s_text_is_checked_without_touching_its_state_or_any_rng():
+    task = _ShortVocabulary()
+    tok = build_char_tokenizer(task.vocabulary())
+    rng, state = random.getstate(), task.state_dict()
+    with pytest.raises(SettingError, match=r"'c' .*add them to _ShortVocabulary\.vocabulary\(\)"):
+        check_task_coverage(tok, task, None)
+    with pytest.raises(SettingError, match=r"'c' .*model\.tokenizer_path='tok/'"):
+        check_task_coverage(tok, task, "tok/")
+    assert random.getstate() == rng and task.state_dict() == state
+    check_task_coverage(build_char_tokenizer(CopyTask().vocabulary()), CopyTask(), None)

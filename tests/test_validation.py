@@ -96,6 +96,7 @@ OUT_OF_RANGE: dict[str, str] = {
     "actor_minibatches": "0",
     "critic_warmup_iterations": "-1",
     "max_abs_reward": "0",
+    "reward_timeout_s": "0",
     "max_consecutive_skipped_steps": "-1",
     "max_skipped_steps": "-1",
     "num_threads": "0",

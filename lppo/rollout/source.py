@@ -273,5 +273,6 @@ class RolloutSource:
                     f"{type(self.engine).__name__}.generate returned {len(output)} samples for "
                     f"{len(prompts)} prompts × {samples_per_prompt}."
                 )
-            rewards = score(task if task is not None else self.task, prompts, output).tolist()
+            scored = task if task is not None else self.task
+            rewards = score(scored, prompts, output, self.task.reward_timeout_s).tolist()
         return EvalSamples(output, rewards)

@@ -36,6 +36,11 @@ class Task(RecordsInitArgs, abc.ABC):
     #: Short registry name of the task (see :func:`lppo.tasks.get_task`).
     name: str = "task"
 
+    #: Seconds one :meth:`rewards` call may take before it is stopped and fails the iteration
+    #: (``None``: no limit). Not a task setting: the run sets it from
+    #: ``model.ppo.reward_timeout_s`` (it travels with the task to rollout processes).
+    reward_timeout_s: float | None = None
+
     @abc.abstractmethod
     def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
         """Draw ``n`` prompts.
@@ -74,6 +79,20 @@ class Task(RecordsInitArgs, abc.ABC):
         it. Used to reject a chunk token budget below the longest possible row at setup.
         """
         return max(len(p.text) for p in self.sample_prompts(1024, random.Random(0)))
+
+    def sample_texts(self) -> list[str]:
+        """Prompt texts and answers the run's tokenizer is checked against at setup.
+
+        The default samples 256 prompts with a fixed seed and puts the task back to its state
+        (:meth:`state_dict`), so the check changes neither the task nor any RNG; tasks holding
+        all their prompts override it to return them all.
+        """
+        state = self.state_dict()
+        try:
+            prompts = self.sample_prompts(256, random.Random(0))
+        finally:
+            self.load_state_dict(state)
+        return [text for p in prompts for text in (p.text, p.answer)]
 
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint at iteration boundaries (e.g. a position in a prompt file).

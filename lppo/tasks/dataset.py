@@ -19,6 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from lppo.tasks.base import Prompt, Task
+from lppo.tasks.dataset_rows import (
+    NoText,
+    RowLocator,
+    check_utf8,
+    field_error,
+    fill_template,
+    first_bad_json_line,
+    is_blank,
+    text_of,
+)
 from lppo.tasks.verifiers import ExactMatch, Verifier
 from lppo.validation import check_number
 
@@ -92,21 +102,6 @@ def shown(files: Sequence[str]) -> str:
     return repr(files[0] if len(files) == 1 else list(files))
 
 
-def is_blank(file: str, fmt: str) -> bool:
-    """Whether ``file`` holds no rows (``datasets`` fails on such a file instead of reading 0).
-
-    Args:
-        file: a file of format ``fmt``.
-        fmt: ``"json"`` (blank: empty or whitespace only) or ``"parquet"`` (zero rows).
-    """
-    if fmt == "parquet":
-        import pyarrow.parquet as pq  # a dependency of `datasets`
-
-        return pq.ParquetFile(file).metadata.num_rows == 0
-    size = Path(file).stat().st_size
-    return size == 0 or (size < 1 << 16 and not Path(file).read_bytes().strip())
-
-
 def root_cause(err: BaseException) -> BaseException:
     """The innermost exception of ``err``'s ``__cause__`` chain."""
     while err.__cause__ is not None:
@@ -135,15 +130,24 @@ def load_records(files: Sequence[str]) -> Any:
     files = [f for f in files if not is_blank(f, fmt)]
     if not files:
         return None
+    if fmt == "json":  # undecodable bytes would only fail later, deep in a row's text
+        for f in files:
+            try:
+                check_utf8(f)
+            except ValueError as err:
+                raise ValueError(f"{KEY}.path={shown(files)}: {err}") from None
     bars_were_off = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
         return datasets.load_dataset(fmt, data_files=list(files), split="train")
     except Exception as err:
         cause = root_cause(err)
+        # the reader counts rows from 0 and without the file: name the line ourselves
+        bad = next(filter(None, map(first_bad_json_line, files)), None) if fmt == "json" else None
+        why = bad if bad is not None else f"{type(cause).__name__}: {cause}"
         raise ValueError(
-            f"{KEY}.path={shown(files)}: could not read it as {fmt}: "
-            f"{type(cause).__name__}: {cause}; fix the file{HINTS[fmt]}."
+            f"{KEY}.path={shown(files)}: could not read it as {fmt}: {why}; "
+            f"fix the file{HINTS[fmt]}."
         ) from err
     finally:
         if not bars_were_off:
@@ -226,6 +230,7 @@ class DatasetTask(Task):
         check_number(f"{KEY}.seed", seed, integer=True, low=0)
         self.seed = seed
         self.shuffle = shuffle
+        self.locate = RowLocator(self.files, file_format(self.files))
         self.texts, self.answers = self._read(load_records(self.files))
         self.epoch = 0
         self.position = 0
@@ -267,7 +272,7 @@ class DatasetTask(Task):
                 self.verifier.validate_answer(answer)
             except ValueError as err:
                 raise ValueError(
-                    f"row {i} of {where}: {err}; fix the row, or choose another "
+                    f"{self.locate(i)} ({KEY}.path): {err}; fix the row, or choose another "
                     f"{KEY}.answer_field or {KEY}.verifier."
                 ) from None
         return texts, answers
@@ -276,19 +281,20 @@ class DatasetTask(Task):
         assert self.template is not None
         texts = []
         for i, row in enumerate(records):
-            for name, value in row.items():
-                if value is None:
-                    self._text(value, i, name)  # raises with the row and field
-            texts.append(self.template.format_map(row))
+            try:
+                texts.append(fill_template(self.template, row))
+            except NoText as err:
+                raise self._field_error(i, err.field, err.value) from None
         return texts
 
     def _text(self, value: Any, row: int, field: str) -> str:
-        if value is None:
-            raise ValueError(
-                f"row {row} of {KEY}.path={shown(self.files)} has no value (null) in field "
-                f"{field!r}; fill it in or drop the row."
-            )
-        return value if isinstance(value, str) else str(value)
+        text = text_of(value)
+        if text is None:
+            raise self._field_error(row, field, value)
+        return text
+
+    def _field_error(self, row: int, field: str, value: object) -> ValueError:
+        return field_error(f"{self.locate(row)} ({KEY}.path)", field, value)
 
     def __len__(self) -> int:
         """Number of rows (prompts) in the dataset."""
@@ -350,6 +356,11 @@ class DatasetTask(Task):
         for text in (*self.texts, *self.answers):
             chars.update(text)
         return "".join(sorted(chars))
+
+    def sample_texts(self) -> list[str]:
+        """Prompt texts and answers of up to 2048 rows spread over the file(s); the walk stays."""
+        rows = range(0, len(self.texts), max(1, len(self.texts) // 2048))
+        return [text for r in rows for text in (self.texts[r], self.answers[r])]
 
     def max_prompt_length(self) -> int:
         """Longest prompt text of the dataset, in characters (never advances the walk)."""

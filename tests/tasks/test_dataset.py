@@ -263,17 +263,66 @@ def test_error_empty_dataset(tmp_path: Path) -> None:
 
 def test_error_null_value_unreadable_file_unscorable_answer(tmp_path: Path) -> None:
     rows = [{"question": "1+1", "answer": "2"}, {"question": None, "answer": "3"}]
-    with pytest.raises(ValueError, match=r"row 1 of .* no value \(null\) in field 'question'"):
+    null = r"line 2 of '.*null\.jsonl' \(model\.task\.init_args\.path\) has no value \(null\)"
+    with pytest.raises(ValueError, match=rf"{null} in field 'question'"):
         make(write_jsonl(tmp_path / "null.jsonl", rows))
-    with pytest.raises(ValueError, match=r"row 1 of .* no value \(null\) in field 'question'"):
+    with pytest.raises(ValueError, match=r"line 2 of .* no value \(null\) in field 'question'"):
         make(write_jsonl(tmp_path / "null2.jsonl", rows), template="{question}=")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "1+1", "answer": "2"\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl': could not read it as json: .*fix the"):
+    bad.write_text('{"question": "1+1", "answer": "2"}\n\n{"question": "1+2", "answer": "3"\n')
+    match = r"bad\.jsonl': could not read it as json: line 3 of '.*bad\.jsonl': .*fix the"
+    with pytest.raises(ValueError, match=match):
         make(bad)
     words = write_jsonl(tmp_path / "words.jsonl", [{"question": "1+1", "answer": "two"}])
-    with pytest.raises(ValueError, match=r"row 0 of .*'two' holds no number.*verifier"):
+    with pytest.raises(ValueError, match=r"line 1 of .*'two' holds no number.*verifier"):
         make(words, verifier=NumericAnswer())
+
+
+def test_errors_name_the_file_and_its_1_based_line_or_row(tmp_path: Path) -> None:
+    # Rows of the second file, after a blank line: the line is the file's own, counted from 1.
+    first = write_jsonl(tmp_path / "a.jsonl", ROWS[:2])
+    second = tmp_path / "b.jsonl"
+    second.write_text('{"question": "1+1", "answer": "2"}\n\n{"question": null, "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"line 3 of '.*b\.jsonl' .* field 'question'"):
+        make([str(first), str(second)])
+    rows = [{"question": "1+1", "answer": "2"}, {"question": None, "answer": "3"}]
+    with pytest.raises(ValueError, match=r"row 2 of '.*rows\.parquet' .* field 'question'"):
+        make(write_parquet(tmp_path / "rows.parquet", rows))
+
+
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(
+        b'{"question": "1+1", "answer": "2"}\n{"question": "caf\xe9", "answer": "3"}\n'
+    )
+    match = r"latin1\.jsonl' is not UTF-8 text \(byte 0xe9 at column 18\); save the file as UTF-8"
+    for template in (None, "Q: {question}"):
+        with pytest.raises(ValueError, match=rf"line 2 of '.*{match}"):
+            make(latin1, template=template)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [({"x": 1}, r'dict \(\{"x": 1\}\)'), (["q"], r'list \(\["q"\]\)'), (True, r"bool \(true\)")],
+)
+@pytest.mark.parametrize("template", [None, "Q: {question}"])
+def test_a_field_that_is_not_text_names_the_file_line_and_field(
+    tmp_path: Path, value: object, shown: str, template: str | None
+) -> None:
+    rows = [{"question": "1+1", "answer": "2"}, {"question": value, "answer": "3"}]
+    path = write_jsonl(tmp_path / "typed.jsonl", rows)
+    match = rf"line 2 of '.*typed\.jsonl' .* holds a {shown} in field 'question', not a string"
+    with pytest.raises(ValueError, match=match):
+        make(path, template=template)
+    answers = [{"question": "1+1", "answer": "2"}, {"question": "1+2", "answer": value}]
+    with pytest.raises(ValueError, match=r"line 2 of .* in field 'answer', not a string"):
+        make(write_jsonl(tmp_path / "answers.jsonl", answers))
+
+
+def test_a_template_may_reach_into_a_structured_field(tmp_path: Path) -> None:
+    rows = [{"meta": {"q": "1+1", "n": 3}, "answer": "2"}]
+    task = make(write_jsonl(tmp_path / "meta.jsonl", rows), template="{meta[q]} ({meta[n]})=")
+    assert task.texts == ["1+1 (3)="]
 
 
 # -------------------------------------------------------------------------------- CLI
@@ -353,3 +402,14 @@ def test_resume_continues_the_dataset_where_it_stopped(tmp_path: Path) -> None:
     params_a, params_b = straight.model.state_dict(), resumed.model.state_dict()
     assert params_a.keys() == params_b.keys()
     assert all(torch.equal(params_a[k], params_b[k]) for k in params_a)
+
+
+def test_a_json_array_file_names_the_1_based_row(tmp_path: Path) -> None:
+    path = tmp_path / "rows.json"
+    path.write_text(
+        json.dumps(
+            [{"question": "1+1", "answer": "2"}, {"question": None, "answer": "3"}], indent=2
+        )
+    )
+    with pytest.raises(ValueError, match=r"row 2 of '.*rows\.json' .* field 'question'"):
+        make(path)
