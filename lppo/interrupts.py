@@ -21,7 +21,7 @@ import signal
 import threading
 from types import FrameType
 
-__all__ = ["SIGNALS", "RunInterrupted", "install"]
+__all__ = ["SIGNALS", "RunInterrupted", "install", "raise_if_interrupted"]
 
 #: The signals a run turns into :class:`RunInterrupted`.
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -50,10 +50,26 @@ class RunInterrupted(SystemExit):
         return f"interrupted by {self.signal_name}"
 
 
+class _State:
+    received: RunInterrupted | None = None
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
     for sig in SIGNALS:
         signal.signal(sig, _exit_now)
-    raise RunInterrupted(signum)
+    _State.received = RunInterrupted(signum)
+    raise _State.received
+
+
+def raise_if_interrupted() -> None:
+    """Raise the :class:`RunInterrupted` of a signal already received.
+
+    User code that caught it and went on (a reward with ``except BaseException``) cannot
+    swallow it.
+    """
+    # Only while the run's shutdown is on (its handlers still those the signal left).
+    if _State.received is not None and signal.getsignal(signal.SIGTERM) is _exit_now:
+        raise _State.received
 
 
 def _exit_now(signum: int, frame: FrameType | None) -> None:
@@ -69,6 +85,7 @@ def install() -> bool:
     """
     if threading.current_thread() is not threading.main_thread():
         return False
+    _State.received = None
     for sig in SIGNALS:
         signal.signal(sig, _raise)
     return True

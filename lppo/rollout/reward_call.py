@@ -4,11 +4,9 @@
 :func:`~lppo.rollout.base.score`). What the user's code raises, ``SystemExit`` and
 ``KeyboardInterrupt`` included, comes back as :class:`RewardRaised`, so the caller turns it
 into a named failure of the iteration instead of ending the run. What a *signal* raises is
-not the reward's failure: a ``SIGINT`` or ``SIGTERM`` arriving while the reward runs first goes
-to the handler the run installed (Lightning's, the run's own), then ends the reward call with
-``KeyboardInterrupt`` / Lightning's ``SIGTERMException`` (exit status 143), or with what that
-handler raised; these propagate unchanged: a reward that sleeps or loops cannot block or
-swallow them.
+not the reward's failure: during a run SIGINT and SIGTERM raise
+:class:`~lppo.interrupts.RunInterrupted` wherever the main thread is, inside a sleeping or
+looping reward too, and it propagates unchanged.
 
 The time limit (``model.ppo.reward_timeout_s``) is enforced with ``SIGALRM`` in the main
 thread and, in another thread, by raising the timeout into that thread; either lands between
@@ -22,11 +20,10 @@ import ctypes
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lppo.interrupts import RunInterrupted, raise_if_interrupted
 
 __all__ = ["RewardRaised", "RewardTimeout", "call_reward"]
 
@@ -56,13 +53,6 @@ class _Expired(BaseException):
     """
 
 
-@dataclass
-class _Signalled:
-    """The interruption a signal caused during the call (``None``: no signal arrived)."""
-
-    interruption: BaseException | None = None
-
-
 def call_reward(fn: Callable[[], T], timeout_s: float | None) -> T:
     """Call ``fn`` (user reward code) within ``timeout_s`` seconds.
 
@@ -85,50 +75,27 @@ def call_reward(fn: Callable[[], T], timeout_s: float | None) -> T:
 
 
 def _in_main_thread(fn: Callable[[], T], timeout_s: float | None) -> T:
-    signalled = _Signalled()
-    previous: dict[int, Any] = {}
+    previous = None
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            handler = signal.getsignal(signum)
-            if callable(handler):  # SIG_DFL / SIG_IGN need nothing: the OS acts without Python
-                previous[signum] = signal.signal(signum, _interrupter(handler, signalled))
         if timeout_s is not None:
-            previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _expire)
+            previous = signal.signal(signal.SIGALRM, _expire)
             signal.setitimer(signal.ITIMER_REAL, timeout_s)  # one shot
         try:
             result = fn()
         finally:
             if timeout_s is not None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+        raise_if_interrupted()  # the reward caught the signal's exception and returned
+        return result
     except _Expired:
         raise RewardTimeout(_late(timeout_s)) from None
+    except RunInterrupted:
+        raise  # a signal stopped the run, not the reward's failure
     except BaseException as error:
-        if signalled.interruption is not None:
-            raise
         raise RewardRaised(error) from error
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if signalled.interruption is not None:  # the reward caught the interruption and returned
-        raise signalled.interruption
-    return result
-
-
-def _interrupter(previous: Callable[[int, FrameType | None], Any], signalled: _Signalled) -> Any:
-    """A handler that runs ``previous`` (the run's), then ends the reward call."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        try:
-            previous(signum, frame)  # sets the run's flag (Lightning's SIGTERM) or raises (Ctrl-C)
-        except BaseException as error:
-            signalled.interruption = error
-            raise
-        # 128 + 15: the exit status of a process ended by SIGTERM (SystemExit() would be 0)
-        stop = KeyboardInterrupt() if signum == signal.SIGINT else SIGTERMException(128 + signum)
-        signalled.interruption = stop
-        raise stop
-
-    return handler
+        if previous is not None:
+            signal.signal(signal.SIGALRM, previous)
 
 
 def _expire(signum: int, frame: FrameType | None) -> None:
