@@ -10,7 +10,10 @@ decides: with ``address=None`` it starts a local single-node Ray bound to ``127.
 address it attaches to that running cluster as a driver. A Ray that was already initialized in
 this process (by the user) is used as it is. The last release shuts down only what the first
 acquire started: a local Ray started here is stopped (its GCS, raylet and workers with it); an
-attached cluster is only disconnected from; a Ray the user initialized is left alone.
+attached cluster is only disconnected from; a Ray the user initialized is left alone. A local
+Ray started here is watched by a small process of its own (``lppo/_ray_reaper.py``): if this
+process dies without stopping Ray (``kill -9``), the watcher kills what is left of that Ray
+(Ray's agents would otherwise outlive it for minutes, holding their ports).
 
 Needs Ray: the ``[ray]`` extra (rollout workers) or the ``[tq]`` extra (TransferQueue).
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,6 +102,7 @@ class _State:
     refs = 0
     owned = False  # ray.init was called by acquire_ray (so release_ray calls ray.shutdown)
     held: RaySettings | None = None  # the settings Ray was acquired with
+    reaper: subprocess.Popen | None = None  # watches a local Ray started here (module doc)
 
 
 def ray_module(extra: Literal["ray", "tq"] = "ray") -> Any:
@@ -184,6 +190,27 @@ def _init(ray: Any, settings: RaySettings) -> None:
         return
     with _single_machine():
         ray.init(**_init_kwargs(settings))
+    if settings.address is None:
+        _State.reaper = _start_reaper(ray)
+
+
+def _start_reaper(ray: Any) -> subprocess.Popen:
+    """The watcher that kills this local Ray if this process dies without stopping it."""
+    script = os.path.join(os.path.dirname(__file__), "_ray_reaper.py")
+    ray_dir = os.path.dirname(ray.__file__)
+    # Its own session: a signal to this process's group (Ctrl-C) must not stop the watcher.
+    return subprocess.Popen(
+        [sys.executable, script, str(os.getpid()), ray_dir],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _stop_reaper() -> None:
+    reaper, _State.reaper = _State.reaper, None
+    if reaper is not None:
+        reaper.terminate()
+        reaper.wait()
 
 
 def _init_kwargs(settings: RaySettings) -> dict[str, Any]:
@@ -224,6 +251,7 @@ def release_ray() -> None:
         owned, _State.owned, _State.held = _State.owned, False, None
         if owned:
             ray.shutdown()
+            _stop_reaper()
 
 
 def ray_owned_here() -> bool:

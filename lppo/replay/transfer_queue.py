@@ -160,15 +160,19 @@ class TransferQueueReplayStore:
         return method, getattr(self._open(), method).remote(self.partition, *args)
 
     def _result(self, call: tuple[str, Any]) -> Any:
-        """Wait (at most ``timeout_s``) for a catalog call; raise its error here."""
-        ray = ray_module("tq")
-        try:
-            err, value = ray.get(call[1], timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise timeout_error(self.partition, f"catalog {call[0]}", self.timeout_s) from None
+        """Wait for a catalog call; raise its error here."""
+        err, value = self._get(call)
         if err is not None:
             raise ERRORS[err](value)
         return value
+
+    def _get(self, call: tuple[str, Any]) -> Any:
+        """``ray.get`` of a catalog call, waiting at most ``timeout_s``."""
+        ray = ray_module("tq")
+        try:
+            return ray.get(call[1], timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise timeout_error(self.partition, f"catalog {call[0]}", self.timeout_s) from None
 
     def _call(self, method: str, *args: Any) -> Any:
         """Run a catalog method for this partition; raise its error here."""
@@ -184,7 +188,7 @@ class TransferQueueReplayStore:
             return
         try:
             if self._owner:
-                self._clear_keys(self._result(self._submit("drop_partition")))
+                self._clear_keys(self._get(self._submit("drop_partition")))
         finally:
             self._catalog = None
             release_tq()

@@ -25,7 +25,7 @@ from lppo.rollout import (
     score,
     to_rollout,
 )
-from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError, _Budget
+from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import derive_seed
 from lppo.score_phase import rollout_stats
 from lppo.tasks import CopyTask
@@ -118,7 +118,7 @@ def test_lost_parts_are_dropped_and_counted(workers):
         out = workers.generate(PROMPTS, 2, SEED)
     finally:
         workers.max_restarts = 2
-        workers._replace(1, _Budget(1), "replaced by the test")
+        workers._load_all()  # replaces the dead worker
     assert out.dropped == 6  # part 1: 3 prompts x 2 samples
     assert to_rollout(out, [0.0] * len(out)).dropped == 6  # -> the controller's drop budget
     assert out.prompt_index.tolist() == [i for i in range(3) for _ in range(2)]
@@ -163,7 +163,8 @@ def test_workers_dying_at_a_weight_sync_are_replaced_logged_and_reported(workers
             workers.sync_from(new, version=workers.weights_version + 1)
     finally:
         workers._spawn, workers.max_restarts = spawn, 2
-    assert workers._replace(0, _Budget(1), "replaced by the test")
+    workers.sync_from(new, version=workers.weights_version + 1)  # the next sync replaces it
+    assert workers.take_restarts() == 2  # 1 in the failed sync (max_restarts=1), 1 now
     # The rollout source reports the replacements as rollout/worker_restarts.
     actor = ActorModule(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=3))
     actor.configure_model(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)

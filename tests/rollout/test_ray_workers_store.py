@@ -38,7 +38,7 @@ from lppo.rollout import (
     RolloutSource,
     RolloutWorkerError,
 )
-from lppo.rollout.ray_workers import RayWorkersEngine, _Budget
+from lppo.rollout.ray_workers import RayWorkersEngine
 from lppo.system import PPOSystem
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
@@ -290,7 +290,7 @@ def test_lost_samples_count_against_the_drop_budget_and_nothing_is_left(workers)
         assert tq_keys(store) == set() and catalog_rows(store) == 0  # released on abort
     finally:
         workers.max_restarts = 2
-        workers._replace(1, _Budget(1), "replaced by the test")
+        workers._load_all()  # replaces the dead worker
         store.close()
 
 
