@@ -4,12 +4,15 @@
 local Ray) lives, note every process of that Ray: its children started from Ray's package
 directory ``RAY_DIR`` (GCS, raylet, monitors) and all their descendants (agents, workers,
 actors). When ``PID`` is gone without shutting Ray down (``kill -9``), kill the noted ones still
-running: Ray's own agents outlive a dead raylet for minutes, holding their ports. Imports only
-psutil (a dependency of Ray), never lppo or torch, so it starts in a blink.
+running: Ray's own agents outlive a dead raylet for minutes, holding their ports. If instead
+the raylet dies while ``PID`` lives, Ray ends ``PID`` from its C++ core (no Python error, no
+cleanup), so this watcher writes the lppo error to the stderr it shares with ``PID`` first.
+Imports only psutil (a dependency of Ray), never lppo or torch, so it starts in a blink.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -32,11 +35,38 @@ def _ray_processes(owner: psutil.Process, ray_dir: str) -> list[psutil.Process]:
     return found
 
 
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def log_dir(raylet: psutil.Process) -> str:
+    """The raylet's log directory (read while it lives: a dead one's command line is gone)."""
+    try:
+        args = raylet.cmdline()
+    except psutil.Error:
+        args = []
+    return next((a.split("=", 1)[1] for a in args if a.startswith("--log_dir=")), "")
+
+
+def raylet_died(raylet: int, logs: str, pid: int) -> str:
+    """The lppo error for raylet ``raylet`` (logging to ``logs``) dead under a live ``pid``."""
+    return (
+        f"lppo: RayError: the raylet (pid {raylet}) of the local Ray this lppo process "
+        f"(pid {pid}) started has died, and Ray ends the process with it (the run stops here; "
+        "resume from the last checkpoint). Check: the kernel log for the OOM killer (dmesg, "
+        f"journalctl -k), the raylet's log {os.path.join(logs, 'raylet.out')}, and whether "
+        "something else stopped Ray (ray stop, a kill of Ray's processes)."
+    )
 
 
 def main(pid: int, ray_dir: str) -> None:
@@ -47,8 +77,16 @@ def main(pid: int, ray_dir: str) -> None:
     except psutil.NoSuchProcess:
         return
     noted: dict[int, psutil.Process] = {}
+    raylet: psutil.Process | None = None
+    reported, logs = False, ""
     while _alive(owner):
         noted.update((p.pid, p) for p in _ray_processes(owner, ray_dir))
+        if raylet is None:
+            raylet = next((p for p in noted.values() if _name(p) == "raylet"), None)
+            logs = "" if raylet is None else log_dir(raylet)
+        elif not reported and not _alive(raylet) and _alive(owner):
+            print(raylet_died(raylet.pid, logs, pid), file=sys.stderr, flush=True)
+            reported = True
         time.sleep(INTERVAL_S)
     for proc in noted.values():
         try:

@@ -13,13 +13,16 @@ acquire started: a local Ray started here is stopped (its GCS, raylet and worker
 attached cluster is only disconnected from; a Ray the user initialized is left alone. A local
 Ray started here is watched by a small process of its own (``lppo/_ray_reaper.py``): if this
 process dies without stopping Ray (``kill -9``), the watcher kills what is left of that Ray
-(Ray's agents would otherwise outlive it for minutes, holding their ports).
+(Ray's agents would otherwise outlive it for minutes, holding their ports), and if the raylet
+dies under a live process (Ray then ends the process from its C++ core, beyond Python's reach)
+it writes lppo's error, naming Ray and what to check, to the process's stderr.
 
 Needs Ray: the ``[ray]`` extra (rollout workers) or the ``[tq]`` extra (TransferQueue).
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import subprocess
@@ -192,6 +195,9 @@ def _init(ray: Any, settings: RaySettings) -> None:
         ray.init(**_init_kwargs(settings))
     if settings.address is None:
         _State.reaper = _start_reaper(ray)
+        # Before Ray's own exit handler (registered earlier, run later): a Ray stopped at exit
+        # is no dead raylet to report.
+        atexit.register(_stop_reaper)
 
 
 def _start_reaper(ray: Any) -> subprocess.Popen:
@@ -250,8 +256,8 @@ def release_ray() -> None:
             return
         owned, _State.owned, _State.held = _State.owned, False, None
         if owned:
+            _stop_reaper()  # first: the raylet stopping now is no death to report
             ray.shutdown()
-            _stop_reaper()
 
 
 def ray_owned_here() -> bool:

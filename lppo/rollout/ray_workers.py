@@ -25,8 +25,8 @@ and a part that still fails is dropped (its samples are missing from the output 
 dropped, against ``data.drop_budget``); during a weight sync a worker that cannot be replaced
 fails the call with :class:`RolloutWorkerError` naming the worker and ``max_restarts``. Every
 replacement logs one warning and is counted in :meth:`take_restarts` (the rollout source
-reports it as ``rollout/worker_restarts``); a Ray that is gone altogether (its raylet killed)
-fails with :class:`RolloutWorkerError` saying so.
+reports it as ``rollout/worker_restarts``). A raylet that dies takes the whole process with it
+(:mod:`lppo.ray_runtime` reports it).
 
 Ray comes from :mod:`lppo.ray_runtime`, as ``trainer.ray`` says (a local Ray on loopback, or a
 cluster address); :meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +46,8 @@ import torch
 from lppo.init_args import RecordsInitArgs
 from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay.base import ReplayStore
-from lppo.replay.rollout_rows import RowRules, StoredRollout, concat_stored, put_rollout
+from lppo.replay.rollout_rows import StoredRollout, concat_stored
+from lppo.rollout._ray_worker import RolloutWorker, RolloutWorkerError
 from lppo.rollout.base import (
     GenerationOutput,
     PromptBlock,
@@ -55,22 +55,16 @@ from lppo.rollout.base import (
     RolloutSettings,
     RowJob,
     concat_outputs,
-    score,
-    to_rollout,
 )
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.source import derive_seed
-from lppo.tasks.base import Prompt, Task
+from lppo.tasks.base import Prompt
 from lppo.validation import check_number
 
 __all__ = ["RayWorkersEngine", "RolloutWorker", "RolloutWorkerError"]
 
 _log = logging.getLogger(__name__)
 _KEY = "model.engine.init_args"
-
-
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker did not answer in time, or failed in a way a retry cannot fix."""
 
 
 class _Budget:
@@ -119,74 +113,6 @@ def _parts(blocks: list[PromptBlock], num_workers: int) -> list[_Part]:
             seed = derive_seed(block.seed, "part", p) if p else block.seed
             parts.append(_Part(len(parts), block.prompts[at : at + size], seed, block.start + at))
     return parts
-
-
-class RolloutWorker:
-    """The body of one rollout worker actor: an engine over its own copy of the policy.
-
-    Args:
-        engine: the engine (pickled into the worker; set up here on the worker's policy).
-        policy: the causal LM (a copy, loaded with the trainer's weights by :meth:`load`).
-        tokenizer: the policy's tokenizer.
-        sampling: the sampling settings.
-    """
-
-    def __init__(
-        self, engine: RolloutEngine, policy: torch.nn.Module, tokenizer: Any, sampling: Any
-    ) -> None:
-        torch.set_num_threads(1)  # workers share the machine's cores with the trainer
-        self.engine = engine
-        self.engine.setup(policy, tokenizer, sampling)
-        self.policy = policy
-
-    def load(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Load the trainer's weights ``state`` as ``version``; return the version now held."""
-        self.policy.load_state_dict(state)
-        self.engine.sync_from(self.policy, version)
-        return self.engine.weights_version
-
-    def generate(
-        self, prompts: list[Prompt], samples_per_prompt: int, seed: int, greedy: bool = False
-    ) -> tuple[GenerationOutput, int]:
-        """The engine's samples and the weights version they were sampled from."""
-        output = self.engine.generate(prompts, samples_per_prompt, seed, greedy=greedy)
-        return output, self.engine.weights_version
-
-    def generate_into(
-        self,
-        store: ReplayStore,
-        ids: tuple[int, ...],
-        prompts: list[Prompt],
-        samples_per_prompt: int,
-        seed: int,
-        start: int,
-        task: Task,
-        rules: RowRules,
-        version: int,
-        provenance: tuple[int, int],
-    ) -> StoredRollout:
-        """Sample, reward and put the samples as rows ``ids`` of ``store``, from this process.
-
-        ``start`` is the ``prompt_index`` of ``prompts[0]``; ``version`` the weights version
-        the trainer expects (checked before anything is sampled or put); ``provenance`` the
-        rows' ``(iteration, policy version)``.
-        """
-        if self.engine.weights_version != version:
-            raise RolloutWorkerError(
-                f"worker holds weights version {self.engine.weights_version}, not {version}."
-            )
-        output = self.engine.generate(prompts, samples_per_prompt, seed)
-        rewards = score(task, prompts, output)
-        output.prompt_index = output.prompt_index + start
-        try:
-            rollout = to_rollout(output, rewards, provenance=provenance)
-            return put_rollout(store, ids, rollout, rules)
-        finally:
-            store.close()  # a pickled copy: detaches this process, the rows stay
-
-    def where(self) -> tuple[int, str]:
-        """The worker's process id and the id of the Ray node it runs on."""
-        return os.getpid(), ray_module().get_runtime_context().get_node_id()
 
 
 class RayWorkersEngine(RecordsInitArgs):

@@ -218,7 +218,7 @@ def test_rows_put_by_the_workers_equal_the_trainers_put(workers, rank):
         assert isinstance(got, StoredRollout)
         assert {f.name for f in dataclasses.fields(got)} == {
             "row_ids", "reward", "response_tokens", "bad_rewards", "dropped", "sampling",
-            "episodes",
+            "episodes", "worker_restarts",
         }  # fmt: skip
         assert got.sampling is None  # dynamic sampling is off (and refused with a writer)
         assert got.episodes is None  # single-turn rows
