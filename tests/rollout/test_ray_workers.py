@@ -136,7 +136,7 @@ def kill(actor) -> None:
 def test_workers_dying_at_a_weight_sync_are_replaced_logged_and_reported(workers, caplog):
     """Between rollouts (at the sync after the actor phase), and replacements dying too."""
     caplog.set_level(logging.WARNING, logger="lppo.rollout.ray_workers")
-    workers.take_restarts()
+    before = workers.restarts
     spawn = workers._spawn
     doomed = [1]  # replacements killed as they start, before their weight load finishes
 
@@ -152,7 +152,7 @@ def test_workers_dying_at_a_weight_sync_are_replaced_logged_and_reported(workers
         kill(workers.workers[1])  # dies between rollouts
         new = policy(7)
         workers.sync_from(new, version=workers.weights_version + 1)  # max_restarts=2: enough
-        assert workers.take_restarts() == 2  # the killed worker and its dying replacement
+        assert workers.restarts == before + 2  # the killed worker and its dying replacement
         assert rows(workers.generate(PROMPTS, 2, SEED)) == in_process(new, PROMPTS, 2)
         replaced = [r for r in caplog.records if "rollout worker 1" in r.getMessage()]
         assert len(replaced) == 2 and "replaced" in replaced[1].getMessage()
@@ -164,7 +164,7 @@ def test_workers_dying_at_a_weight_sync_are_replaced_logged_and_reported(workers
     finally:
         workers._spawn, workers.max_restarts = spawn, 2
     workers.sync_from(new, version=workers.weights_version + 1)  # the next sync replaces it
-    assert workers.take_restarts() == 2  # 1 in the failed sync (max_restarts=1), 1 now
+    assert workers.restarts == before + 4  # 1 in the failed sync (max_restarts=1), 1 now
     # The rollout source reports the replacements as rollout/worker_restarts.
     actor = ActorModule(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=3))
     actor.configure_model(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
