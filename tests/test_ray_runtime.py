@@ -4,6 +4,7 @@ ends the run with lppo's error (real ``lppo fit`` processes, killed for real).""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,10 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def paused_fit(tmp_path: Path) -> subprocess.Popen:
+@pytest.fixture
+def temp_dir():
+    """Ray's session root for one fit (short: Ray's socket paths are)."""
+    path = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def paused_fit(tmp_path: Path, temp_dir: str) -> subprocess.Popen:
     """A real ``lppo fit`` of configs/ray_workers.yaml (Ray rollout workers + TransferQueue on
     its own local Ray), paused in iteration 1's critic phase."""
-    temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")  # Ray's socket paths are short
     marker = tmp_path / "reached"
     args = ["--config", str(ROOT / "configs" / "ray_workers.yaml")]
     args += ["--model.rollout.prompts_per_iteration", "4"]
@@ -68,10 +76,10 @@ def left_running(started: list[psutil.Process], timeout: float) -> list[tuple[in
     return left
 
 
-def test_sigkill_of_a_fit_with_ray_and_transfer_queue_leaves_no_process(tmp_path):
+def test_sigkill_of_a_fit_with_ray_and_transfer_queue_leaves_no_process(tmp_path, temp_dir):
     """``kill -9`` of the fit: every process of its Ray (GCS, raylet, agents, workers,
     TransferQueue's storage) is gone after a short wait."""
-    proc = paused_fit(tmp_path)
+    proc = paused_fit(tmp_path, temp_dir)
     try:
         started = descendants(proc)
     finally:
@@ -80,9 +88,9 @@ def test_sigkill_of_a_fit_with_ray_and_transfer_queue_leaves_no_process(tmp_path
     assert left_running(started, timeout=30) == []
 
 
-def test_a_killed_raylet_ends_the_fit_with_lppos_error(tmp_path):
+def test_a_killed_raylet_ends_the_fit_with_lppos_error(tmp_path, temp_dir):
     """Ray ends the fit from its C++ core when the raylet dies; lppo's error says so first."""
-    proc = paused_fit(tmp_path)
+    proc = paused_fit(tmp_path, temp_dir)
     try:
         started = descendants(proc)
         raylet = next(p for p in started if p.name() == "raylet")
