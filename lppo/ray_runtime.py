@@ -10,16 +10,24 @@ decides: with ``address=None`` it starts a local single-node Ray bound to ``127.
 address it attaches to that running cluster as a driver. A Ray that was already initialized in
 this process (by the user) is used as it is. The last release shuts down only what the first
 acquire started: a local Ray started here is stopped (its GCS, raylet and workers with it); an
-attached cluster is only disconnected from; a Ray the user initialized is left alone.
+attached cluster is only disconnected from; a Ray the user initialized is left alone. A local
+Ray started here is watched by a small process of its own (``lppo/_ray_reaper.py``): if this
+process dies without stopping Ray (``kill -9``), the watcher kills what is left of that Ray
+(Ray's agents would otherwise outlive it for minutes, holding their ports), and if the raylet
+dies under a live process (Ray then ends the process from its C++ core, beyond Python's reach)
+it writes lppo's error, naming Ray and what to check, to the process's stderr.
 
 Needs Ray: the ``[ray]`` extra (rollout workers) or the ``[tq]`` extra (TransferQueue).
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,6 +107,7 @@ class _State:
     refs = 0
     owned = False  # ray.init was called by acquire_ray (so release_ray calls ray.shutdown)
     held: RaySettings | None = None  # the settings Ray was acquired with
+    reaper: subprocess.Popen | None = None  # watches a local Ray started here (module doc)
 
 
 def ray_module(extra: Literal["ray", "tq"] = "ray") -> Any:
@@ -185,8 +194,7 @@ def _init(ray: Any, settings: RaySettings) -> None:
         if settings.address is not None and not _is_loopback(settings.address):
             ray.init(**_init_kwargs(settings))
             return
-        with _single_machine():
-            ray.init(**_init_kwargs(settings))
+        _start_local(ray, settings)
 
 
 @contextmanager
@@ -207,6 +215,36 @@ def _keep_signal_handlers() -> Iterator[None]:
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _start_local(ray: Any, settings: RaySettings) -> None:
+    """``ray.init`` of a local Ray on loopback, watched (:mod:`lppo._ray_reaper`)."""
+    with _single_machine():
+        ray.init(**_init_kwargs(settings))
+    if settings.address is None:
+        _State.reaper = _start_reaper(ray)
+        # Before Ray's own exit handler (registered earlier, run later): a Ray stopped at exit
+        # is no dead raylet to report.
+        atexit.register(_stop_reaper)
+
+
+def _start_reaper(ray: Any) -> subprocess.Popen:
+    """The watcher that kills this local Ray if this process dies without stopping it."""
+    script = os.path.join(os.path.dirname(__file__), "_ray_reaper.py")
+    ray_dir = os.path.dirname(ray.__file__)
+    # Its own session: a signal to this process's group (Ctrl-C) must not stop the watcher.
+    return subprocess.Popen(
+        [sys.executable, script, str(os.getpid()), ray_dir],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _stop_reaper() -> None:
+    reaper, _State.reaper = _State.reaper, None
+    if reaper is not None:
+        reaper.terminate()
+        reaper.wait()
 
 
 def _init_kwargs(settings: RaySettings) -> dict[str, Any]:
@@ -246,6 +284,7 @@ def release_ray() -> None:
             return
         owned, _State.owned, _State.held = _State.owned, False, None
         if owned:
+            _stop_reaper()  # first: the raylet stopping now is no death to report
             ray.shutdown()
 
 

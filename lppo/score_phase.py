@@ -71,6 +71,9 @@ def rollout_stats(rows: StoredRollout, group: ProcessGroup) -> tuple[RolloutStat
     if rows.episodes is not None:  # multi-turn rollouts (on every rank)
         counts = torch.tensor(rows.episodes.counts(), dtype=torch.float64)
         stats.update(EpisodeReport(*group.all_reduce(counts).tolist()).metrics())
+    if rows.worker_restarts is not None:  # an engine with rollout workers (on every rank)
+        counts = torch.tensor([rows.worker_restarts], dtype=torch.float64)
+        stats.update({"worker_restarts": group.all_reduce(counts).item()})
     return stats, round(tokens)
 
 

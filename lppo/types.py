@@ -55,6 +55,8 @@ class Rollout:
         sampling: what dynamic sampling did (``None``: it is off). Groups it dropped are not
             "lost": they never count against the drop budget.
         episodes: what multi-turn rollouts did (``None``: single-turn rows).
+        worker_restarts: rollout workers the engine replaced since the previous rollout
+            (``None``: an engine without workers).
     """
 
     input_ids: list[torch.Tensor]
@@ -66,6 +68,7 @@ class Rollout:
     dropped: int = 0
     sampling: SamplingReport | None = None
     episodes: EpisodeReport | None = None
+    worker_restarts: int | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)

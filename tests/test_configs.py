@@ -246,6 +246,9 @@ def test_ray_workers_config_runs(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 2
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/reward_mean")]
+    assert [float(r["rollout/worker_restarts"]) for r in rows] == [0.0, 0.0]  # none died
 
 
 @pytest.mark.vllm

@@ -8,20 +8,62 @@ The last :func:`release_tq` stops exactly what was started here (also when start
 failed half-way) and only detaches from what was found running; then it releases Ray.
 TransferQueue's controller and each storage unit reserve one Ray CPU, and bind their ZMQ
 sockets to the node's Ray address (``127.0.0.1`` for a Ray started by lppo).
+
+:func:`bounded` is the one wait on TransferQueue's data plane: TransferQueue's own client
+retries a storage unit that does not answer for minutes (3 attempts of 200 s each), so every
+transfer of the store runs through it with the store's ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import sys
 import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from lppo.ray_runtime import KEY as RAY_KEY
 from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay import _ids, _tq_catalog
 
-__all__ = ["acquire_tq", "release_tq", "tq_controller", "tq_module"]
+__all__ = ["StoreTimeoutError", "acquire_tq", "bounded", "release_tq", "tq_controller", "tq_module"]
+
+#: The store's wait bound, named in every timeout message.
+TIMEOUT_KEY = "data.store.init_args.timeout_s"
+
+
+class StoreTimeoutError(TimeoutError):
+    """A call of the TransferQueue replay store got no answer within its ``timeout_s``."""
+
+
+def timeout_error(partition: str, what: str, timeout_s: float) -> StoreTimeoutError:
+    """The error of a wait on the store that expired: names the store, the call, the bound."""
+    return StoreTimeoutError(
+        f"TransferQueueReplayStore (partition {partition!r}): {what} got no answer within "
+        f"{TIMEOUT_KEY}={timeout_s:g} s; a TransferQueue storage unit, its controller or the "
+        "replay catalog may have died or hung: see the Ray session's logs (trainer.ray."
+        "temp_dir), or raise timeout_s if the transfers are just slow."
+    )
+
+
+def bounded(
+    make: Callable[[], Coroutine[Any, Any, Any]], partition: str, what: str, timeout_s: float
+) -> Any:
+    """Run TransferQueue's coroutine ``make()`` on its client's loop, waiting ``timeout_s``.
+
+    On expiry the coroutine is cancelled (which stops TransferQueue's own retries) and
+    :class:`StoreTimeoutError` names the store and ``what``.
+    """
+    loop = tq_module().get_client()._loop  # where TransferQueue's sync API runs it too
+    future = asyncio.run_coroutine_threadsafe(make(), loop)
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise timeout_error(partition, what, timeout_s) from None
+
 
 _CONTROLLER = ("TransferQueueController", "transfer_queue")  # (actor name, namespace)
 

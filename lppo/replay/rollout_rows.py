@@ -85,6 +85,8 @@ class StoredRollout:
         dropped: samples lost before reaching the store (they count against the drop budget).
         sampling: what dynamic sampling did (``None``: off).
         episodes: what multi-turn rollouts did (``None``: single-turn rows).
+        worker_restarts: rollout workers replaced since the previous rollout (``None``: an
+            engine without workers).
     """
 
     row_ids: tuple[int, ...]
@@ -94,6 +96,7 @@ class StoredRollout:
     dropped: int = 0
     sampling: SamplingReport | None = None
     episodes: EpisodeReport | None = None
+    worker_restarts: int | None = None
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -171,6 +174,7 @@ def put_rollout(
         rollout.dropped,
         rollout.sampling,
         rollout.episodes,
+        rollout.worker_restarts,
     )
 
 
@@ -186,4 +190,11 @@ def concat_stored(parts: Sequence[StoredRollout], dropped: int = 0) -> StoredRol
         dropped=dropped + sum(p.dropped for p in parts),
         sampling=merge_reports([p.sampling for p in parts]),
         episodes=merge_reports([p.episodes for p in parts]),
+        worker_restarts=_sum_known([p.worker_restarts for p in parts]),
     )
+
+
+def _sum_known(counts: Sequence[int | None]) -> int | None:
+    """The sum of the counts that are not ``None`` (``None`` when all are)."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None

@@ -60,12 +60,20 @@ from lppo.replay._tq_fields import (
     rows_of,
     to_batch,
 )
-from lppo.replay._tq_runtime import acquire_tq, release_tq, tq_module
+from lppo.replay._tq_runtime import (
+    TIMEOUT_KEY,
+    StoreTimeoutError,
+    acquire_tq,
+    bounded,
+    release_tq,
+    timeout_error,
+    tq_module,
+)
 from lppo.replay._tq_state import decode_state, encode_state
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
 from lppo.validation import SettingError, check_number
 
-__all__ = ["TransferQueueReplayStore"]
+__all__ = ["StoreTimeoutError", "TransferQueueReplayStore"]
 
 _FORMAT = "lppo.replay.transfer_queue/1"
 
@@ -86,9 +94,14 @@ class TransferQueueReplayStore:
             (:meth:`connect`).
         num_storage_units: TransferQueue SimpleStorage units to start (each reserves one Ray
             CPU, the controller one more: ``trainer.ray.num_cpus`` must cover them).
+        timeout_s: longest wait for any one call on TransferQueue or the catalog (transfers
+            take well under a second here; TransferQueue alone would retry a dead storage
+            unit for minutes); on expiry :class:`StoreTimeoutError` names the store and call.
     """
 
-    def __init__(self, partition: str | None = None, num_storage_units: int = 1) -> None:
+    def __init__(
+        self, partition: str | None = None, num_storage_units: int = 1, timeout_s: float = 60.0
+    ) -> None:
         if partition is not None and not (isinstance(partition, str) and partition):
             raise SettingError(
                 f"data.store.init_args.partition={partition!r}: use a non-empty string, or "
@@ -99,15 +112,20 @@ class TransferQueueReplayStore:
             "data.store.init_args.num_storage_units", num_storage_units, integer=True, low=1
         )
         self.num_storage_units = num_storage_units
+        fix = "Seconds any one call on TransferQueue may take (a transfer takes under 1 s)."
+        check_number(TIMEOUT_KEY, timeout_s, low=0, low_open=True, fix=fix)
+        self.timeout_s = float(timeout_s)
         self._catalog: Any = None
         self._owner = True  # the original drops the partition at close; pickled copies don't
 
     # ------------------------------------------------------------------ lifecycle
     def __getstate__(self) -> dict[str, Any]:
-        return {"partition": self.partition, "num_storage_units": self.num_storage_units}
+        keep = ("partition", "num_storage_units", "timeout_s")
+        return {name: getattr(self, name) for name in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.partition, self.num_storage_units = state["partition"], state["num_storage_units"]
+        self.timeout_s = state["timeout_s"]
         self._catalog, self._owner = None, False
 
     def _open(self) -> Any:
@@ -137,17 +155,24 @@ class TransferQueueReplayStore:
         self.partition, self._owner = partition, False
         self._open()
 
-    def _submit(self, method: str, *args: Any) -> Any:
-        """Start a catalog method for this partition; returns its Ray object ref."""
-        return getattr(self._open(), method).remote(self.partition, *args)
+    def _submit(self, method: str, *args: Any) -> tuple[str, Any]:
+        """Start a catalog method for this partition; returns its name and Ray object ref."""
+        return method, getattr(self._open(), method).remote(self.partition, *args)
 
-    @staticmethod
-    def _result(ref: Any) -> Any:
+    def _result(self, call: tuple[str, Any]) -> Any:
         """Wait for a catalog call; raise its error here."""
-        err, value = ray_module("tq").get(ref)
+        err, value = self._get(call)
         if err is not None:
             raise ERRORS[err](value)
         return value
+
+    def _get(self, call: tuple[str, Any]) -> Any:
+        """``ray.get`` of a catalog call, waiting at most ``timeout_s``."""
+        ray = ray_module("tq")
+        try:
+            return ray.get(call[1], timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise timeout_error(self.partition, f"catalog {call[0]}", self.timeout_s) from None
 
     def _call(self, method: str, *args: Any) -> Any:
         """Run a catalog method for this partition; raise its error here."""
@@ -163,15 +188,20 @@ class TransferQueueReplayStore:
             return
         try:
             if self._owner:
-                ids = ray_module("tq").get(self._catalog.drop_partition.remote(self.partition))
-                self._clear_keys(ids)
+                self._clear_keys(self._get(self._submit("drop_partition")))
         finally:
             self._catalog = None
             release_tq()
 
     def _clear_keys(self, ids: Sequence[int]) -> None:
         if ids:
-            tq_module().kv_clear(keys=[str(i) for i in ids], partition_id=self.partition)
+            self._tq("clear", keys=[str(i) for i in ids])
+
+    def _tq(self, op: str, **kwargs: Any) -> Any:
+        """TransferQueue's ``kv_<op>`` on this partition, waiting at most ``timeout_s``."""
+        run = getattr(tq_module(), f"async_kv_{op}")
+        make = lambda: run(partition_id=self.partition, **kwargs)  # noqa: E731
+        return bounded(make, self.partition, f"TransferQueue kv_{op}", self.timeout_s)
 
     @property
     def shared(self) -> bool:
@@ -229,9 +259,7 @@ class TransferQueueReplayStore:
             raise
 
     def _transfer(self, ids: list[int], batch: Any) -> None:
-        tq_module().kv_batch_put(
-            keys=[str(i) for i in ids], partition_id=self.partition, fields=batch
-        )
+        self._tq("batch_put", keys=[str(i) for i in ids], fields=batch)
 
     def write(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
         """Add or overwrite columns of existing rows (any subset of live rows).
@@ -285,9 +313,7 @@ class TransferQueueReplayStore:
 
     def _fetch(self, id_list: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
         unique = list(dict.fromkeys(id_list))
-        got = tq_module().kv_batch_get(
-            keys=[str(i) for i in unique], partition_id=self.partition, select_fields=names
-        )
+        got = self._tq("batch_get", keys=[str(i) for i in unique], select_fields=names)
         pos = {i: k for k, i in enumerate(unique)}
         out = {}
         for name in names:

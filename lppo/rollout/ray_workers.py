@@ -19,9 +19,14 @@ sampled from, and a part sampled from another version than :attr:`weights_versio
 
 Failures: every wait is bounded by ``timeout_s`` and fails with :class:`RolloutWorkerError`
 naming the worker and the knob. A worker that died (killed, crashed) is replaced by a fresh
-actor loaded with the current weights and its part is retried, up to ``max_restarts`` times
-per call; a part that still fails is dropped: its samples are missing from the output and
-counted as dropped, so they count against ``data.drop_budget``.
+actor loaded with the current weights, up to ``max_restarts`` times per call (a replacement
+that dies while loading counts and is replaced in turn): during a rollout its part is retried,
+and a part that still fails is dropped (its samples are missing from the output and counted as
+dropped, against ``data.drop_budget``); during a weight sync a worker that cannot be replaced
+fails the call with :class:`RolloutWorkerError` naming the worker and ``max_restarts``. Every
+replacement logs one warning and is counted in :meth:`take_restarts` (the rollout source
+reports it as ``rollout/worker_restarts``). A raylet that dies takes the whole process with it
+(:mod:`lppo.ray_runtime` reports it).
 
 Ray comes from :mod:`lppo.ray_runtime`, as ``trainer.ray`` says (a local Ray on loopback, or a
 cluster address); :meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
@@ -30,7 +35,7 @@ cluster address); :meth:`close` kills the workers and releases Ray. Needs the ``
 from __future__ import annotations
 
 import copy
-import os
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +46,8 @@ import torch
 from lppo.init_args import RecordsInitArgs
 from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay.base import ReplayStore
-from lppo.replay.rollout_rows import RowRules, StoredRollout, concat_stored, put_rollout
+from lppo.replay.rollout_rows import StoredRollout, concat_stored
+from lppo.rollout._ray_worker import RolloutWorker, RolloutWorkerError
 from lppo.rollout.base import (
     GenerationOutput,
     PromptBlock,
@@ -49,19 +55,30 @@ from lppo.rollout.base import (
     RolloutSettings,
     RowJob,
     concat_outputs,
-    score,
-    to_rollout,
 )
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.source import derive_seed
-from lppo.tasks.base import Prompt, Task
+from lppo.tasks.base import Prompt
 from lppo.validation import check_number
 
 __all__ = ["RayWorkersEngine", "RolloutWorker", "RolloutWorkerError"]
 
+_log = logging.getLogger(__name__)
+_KEY = "model.engine.init_args"
 
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker did not answer in time, or failed in a way a retry cannot fix."""
+
+class _Budget:
+    """The worker replacements one call may still make (``max_restarts`` per call)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self) -> bool:
+        """Spend one replacement; ``False`` when none is left."""
+        if self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
 
 
 @dataclass
@@ -98,74 +115,6 @@ def _parts(blocks: list[PromptBlock], num_workers: int) -> list[_Part]:
     return parts
 
 
-class RolloutWorker:
-    """The body of one rollout worker actor: an engine over its own copy of the policy.
-
-    Args:
-        engine: the engine (pickled into the worker; set up here on the worker's policy).
-        policy: the causal LM (a copy, loaded with the trainer's weights by :meth:`load`).
-        tokenizer: the policy's tokenizer.
-        sampling: the sampling settings.
-    """
-
-    def __init__(
-        self, engine: RolloutEngine, policy: torch.nn.Module, tokenizer: Any, sampling: Any
-    ) -> None:
-        torch.set_num_threads(1)  # workers share the machine's cores with the trainer
-        self.engine = engine
-        self.engine.setup(policy, tokenizer, sampling)
-        self.policy = policy
-
-    def load(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Load the trainer's weights ``state`` as ``version``; return the version now held."""
-        self.policy.load_state_dict(state)
-        self.engine.sync_from(self.policy, version)
-        return self.engine.weights_version
-
-    def generate(
-        self, prompts: list[Prompt], samples_per_prompt: int, seed: int, greedy: bool = False
-    ) -> tuple[GenerationOutput, int]:
-        """The engine's samples and the weights version they were sampled from."""
-        output = self.engine.generate(prompts, samples_per_prompt, seed, greedy=greedy)
-        return output, self.engine.weights_version
-
-    def generate_into(
-        self,
-        store: ReplayStore,
-        ids: tuple[int, ...],
-        prompts: list[Prompt],
-        samples_per_prompt: int,
-        seed: int,
-        start: int,
-        task: Task,
-        rules: RowRules,
-        version: int,
-        provenance: tuple[int, int],
-    ) -> StoredRollout:
-        """Sample, reward and put the samples as rows ``ids`` of ``store``, from this process.
-
-        ``start`` is the ``prompt_index`` of ``prompts[0]``; ``version`` the weights version
-        the trainer expects (checked before anything is sampled or put); ``provenance`` the
-        rows' ``(iteration, policy version)``.
-        """
-        if self.engine.weights_version != version:
-            raise RolloutWorkerError(
-                f"worker holds weights version {self.engine.weights_version}, not {version}."
-            )
-        output = self.engine.generate(prompts, samples_per_prompt, seed)
-        rewards = score(task, prompts, output)
-        output.prompt_index = output.prompt_index + start
-        try:
-            rollout = to_rollout(output, rewards, provenance=provenance)
-            return put_rollout(store, ids, rollout, rules)
-        finally:
-            store.close()  # a pickled copy: detaches this process, the rows stay
-
-    def where(self) -> tuple[int, str]:
-        """The worker's process id and the id of the Ray node it runs on."""
-        return os.getpid(), ray_module().get_runtime_context().get_node_id()
-
-
 class RayWorkersEngine(RecordsInitArgs):
     """A :class:`~lppo.rollout.RolloutEngine` whose samples come from N Ray actor workers.
 
@@ -189,7 +138,7 @@ class RayWorkersEngine(RecordsInitArgs):
         timeout_s: float = 300.0,
         max_restarts: int = 2,
     ) -> None:
-        key = "model.engine.init_args"
+        key = _KEY
         check_number(f"{key}.num_workers", num_workers, integer=True, low=1)
         check_number(
             f"{key}.timeout_s",
@@ -205,7 +154,8 @@ class RayWorkersEngine(RecordsInitArgs):
         self.max_restarts = max_restarts
         self.weights_version = 0
         self.workers: list[Any] = []
-        self.restarts = 0  # workers replaced so far (reported, tested)
+        self.restarts = 0  # workers replaced so far (tested)
+        self._unreported = 0  # replacements not yet taken by take_restarts
         self.placement: list[tuple[int, str]] = []  # (pid, Ray node id) of each started worker
         self._spawn: Any = None
         self._weights: Any = None  # object ref of the latest state dict
@@ -243,9 +193,23 @@ class RayWorkersEngine(RecordsInitArgs):
         self.weights_version = version
         self._load_all()
 
+    def take_restarts(self) -> int:
+        """Workers replaced since the last call (the rollout source logs them per iteration)."""
+        taken, self._unreported = self._unreported, 0
+        return taken
+
     def _load_all(self) -> None:
+        """Every worker loads the current weights; a dead one is replaced within the budget."""
+        ray = ray_module()
         refs = [w.load.remote(self._weights, self.weights_version) for w in self.workers]
-        versions = self._wait(refs, "weight load")
+        budget, versions = _Budget(self.max_restarts), []
+        for index, ref in enumerate(refs):
+            try:
+                versions.append(self._wait([ref], f"weight load (worker {index})")[0])
+            except ray.exceptions.RayActorError:
+                if not self._replace(index, budget, "died before its weight load"):
+                    raise self._out_of_restarts(index, budget, "weight load") from None
+                versions.append(self.weights_version)  # _replace checked the load
         if any(v != self.weights_version for v in versions):
             raise RolloutWorkerError(
                 f"workers report weights versions {versions} after loading version "
@@ -339,7 +303,7 @@ class RayWorkersEngine(RecordsInitArgs):
         # part index -> (part, its object ref, the worker it was submitted to)
         pending = {p.index: (p, submit(p), self.workers[p.index % n]) for p in parts}
         done: dict[int, Any] = {}
-        dropped, restarts = 0, 0
+        dropped, budget = 0, _Budget(self.max_restarts)
         try:
             while pending:
                 i, (part, ref, worker) = next(iter(pending.items()))
@@ -349,13 +313,10 @@ class RayWorkersEngine(RecordsInitArgs):
                     if lost is not None:
                         lost(part)
                     replaced = self.workers[i % n] is not worker  # by another part of it
-                    if not replaced and restarts >= self.max_restarts:
+                    if not replaced and not self._replace(i % n, budget, f"died in part {i}"):
                         dropped += len(part.prompts) * k
                         del pending[i]
                         continue
-                    if not replaced:
-                        restarts += 1
-                        self._replace(i % n)
                     pending[i] = (part, submit(part), self.workers[i % n])
                     continue
                 del pending[i]
@@ -365,9 +326,8 @@ class RayWorkersEngine(RecordsInitArgs):
             raise
         if not done:
             raise RolloutWorkerError(
-                f"every part of the rollout was lost ({dropped} samples) after {restarts} "
-                "worker restarts; see the workers' logs, or raise "
-                "model.engine.init_args.max_restarts."
+                f"every part of the rollout was lost ({dropped} samples) after {budget.used} "
+                f"worker restarts; see the workers' logs, or raise {_KEY}.max_restarts."
             )
         return done, dropped
 
@@ -375,18 +335,43 @@ class RayWorkersEngine(RecordsInitArgs):
         """Replace the workers still running ``parts`` (so that none puts rows afterwards)."""
         for index in sorted({part.index % self.num_workers for part in parts}):
             try:
-                self._replace(index)
+                self._replace(index, _Budget(1), "abandoned by a failed call")
             except Exception:  # the original failure is raised; a next call replaces again
                 pass
 
-    def _replace(self, index: int) -> None:
-        """A fresh worker in slot ``index``, loaded with the current weights."""
+    def _replace(self, index: int, budget: _Budget, why: str) -> bool:
+        """A fresh worker in slot ``index``, loaded with the current weights, within ``budget``.
+
+        A replacement that dies while loading is replaced in turn (each one spends budget).
+
+        Returns:
+            ``False`` when the budget ran out first (the slot then holds a dead worker, which
+            the next call replaces).
+        """
         ray = ray_module()
-        ray.kill(self.workers[index], no_restart=True)
-        self.workers[index] = self._spawn()
-        self.restarts += 1
-        load = self.workers[index].load.remote(self._weights, self.weights_version)
-        self._wait([load], f"weight load (replacement worker {index})")
+        while budget.take():
+            ray.kill(self.workers[index], no_restart=True)
+            self.workers[index] = self._spawn()
+            self.restarts += 1
+            self._unreported += 1
+            _log.warning(
+                "rollout worker %d %s: replaced (%d of %s.max_restarts=%d in this call)",
+                index, why, budget.used, _KEY, self.max_restarts,
+            )  # fmt: skip
+            load = self.workers[index].load.remote(self._weights, self.weights_version)
+            try:
+                self._wait([load], f"weight load (replacement worker {index})")
+                return True
+            except ray.exceptions.RayActorError:
+                why = "died during its weight load"
+        return False
+
+    def _out_of_restarts(self, index: int, budget: _Budget, what: str) -> RolloutWorkerError:
+        return RolloutWorkerError(
+            f"rollout worker {index} died during the {what} and could not be replaced: "
+            f"{budget.used} replacements made, {_KEY}.max_restarts={self.max_restarts}. See "
+            "the worker's log in the Ray session directory, or raise max_restarts."
+        )
 
     def _wait(self, refs: list[Any], what: str) -> list[Any]:
         """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the knob."""

@@ -224,12 +224,20 @@ class RolloutSource:
             if self.writer is not None:
                 assert self.store is not None
                 row_job = RowJob(job.blocks, spp, self.task, self.rules, job.provenance)
-                return self.writer.generate_into(self.store, row_job)
+                stored = self.writer.generate_into(self.store, row_job)
+                stored.worker_restarts = self._worker_restarts()
+                return stored
             rollout = generate_blocks(self.engine, self.task, job.blocks, spp, job.provenance)
         except RewardError as error:
             label = iteration_label(job.iteration)
             raise IterationError(f"{label}, phase rollout: {error}") from error
+        rollout.worker_restarts = self._worker_restarts()
         return self.put(rollout, job.iteration)
+
+    def _worker_restarts(self) -> int | None:
+        """Workers the engine replaced since the last rollout (``None``: it has no workers)."""
+        take = getattr(self.engine, "take_restarts", None)  # engines with rollout workers
+        return None if take is None else int(take())
 
     def put(self, rollout: Rollout, iteration: int) -> Rollout | StoredRollout:
         """Put ``iteration``'s samples into the store (returned as they are without one)."""

@@ -22,8 +22,8 @@ import ray
 import torch
 from _builders import random_rows, stored, tiny_backbone, tiny_lm
 from _tq import RAY, listening_addresses, tq_store
-from lppo.callbacks import lifecycle
 
+from lppo.callbacks import lifecycle
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
@@ -37,6 +37,7 @@ from lppo.replay._tq_catalog import CATALOG_NAME, CATALOG_NAMESPACE
 from lppo.replay._tq_fields import to_batch
 from lppo.replay._tq_runtime import tq_controller
 from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, Rollout
+from lppo.validation import SettingError
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve().parent
@@ -287,6 +288,33 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transfer_queue", None)
     with pytest.raises(ImportError, match=r"\[tq\]"):
         _tq_runtime.tq_module()
+
+
+@pytest.mark.slow
+def test_a_killed_storage_unit_fails_the_wait_within_timeout_s_naming_store_and_call() -> None:
+    """SIGKILL of the real storage unit: the next read fails at the store's bound, not in
+    minutes of TransferQueue's own retries (the subprocess timeout catches a hang)."""
+    temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")  # Ray's socket paths are short
+    try:
+        out = subprocess.run(
+            [sys.executable, str(HERE / "tq_storage_kill_worker.py"), temp_dir, "5"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["error"] == "StoreTimeoutError", report
+    assert f"partition {report['partition']!r}" in report["message"]
+    assert "TransferQueue kv_batch_get" in report["message"]
+    assert "data.store.init_args.timeout_s=5" in report["message"]
+
+
+def test_timeout_s_is_validated() -> None:
+    with pytest.raises(SettingError, match=r"data\.store\.init_args\.timeout_s=0"):
+        TransferQueueReplayStore(timeout_s=0)
 
 
 def test_failed_fit_stops_everything_it_started_and_leaves_no_process(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 
@@ -12,7 +13,10 @@ from _tq import RAY, ray_processes
 
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule
+from lppo.parallel import SINGLE
 from lppo.ray_runtime import configure_ray
+from lppo.replay import MemoryReplayStore
+from lppo.replay.rollout_rows import RowRules, put_rollout
 from lppo.rollout import (
     GenerationOutput,
     HFGenerateEngine,
@@ -23,6 +27,7 @@ from lppo.rollout import (
 )
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import derive_seed
+from lppo.score_phase import rollout_stats
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
 
@@ -113,10 +118,63 @@ def test_lost_parts_are_dropped_and_counted(workers):
         out = workers.generate(PROMPTS, 2, SEED)
     finally:
         workers.max_restarts = 2
-        workers._replace(1)
+        workers._load_all()  # replaces the dead worker
     assert out.dropped == 6  # part 1: 3 prompts x 2 samples
     assert to_rollout(out, [0.0] * len(out)).dropped == 6  # -> the controller's drop budget
     assert out.prompt_index.tolist() == [i for i in range(3) for _ in range(2)]
+
+
+def kill(actor) -> None:
+    """Kill a worker actor for real and wait until Ray reports it dead."""
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.where.remote(), timeout=60)
+
+
+def test_workers_dying_at_a_weight_sync_are_replaced_logged_and_reported(workers, caplog):
+    """Between rollouts (at the sync after the actor phase), and replacements dying too."""
+    caplog.set_level(logging.WARNING, logger="lppo.rollout.ray_workers")
+    before = workers.restarts
+    spawn = workers._spawn
+    doomed = [1]  # replacements killed as they start, before their weight load finishes
+
+    def spawn_then_kill():
+        actor = spawn()
+        if doomed:
+            doomed.pop()
+            kill(actor)
+        return actor
+
+    workers._spawn = spawn_then_kill
+    try:
+        kill(workers.workers[1])  # dies between rollouts
+        new = policy(7)
+        workers.sync_from(new, version=workers.weights_version + 1)  # max_restarts=2: enough
+        assert workers.restarts == before + 2  # the killed worker and its dying replacement
+        assert rows(workers.generate(PROMPTS, 2, SEED)) == in_process(new, PROMPTS, 2)
+        replaced = [r for r in caplog.records if "rollout worker 1" in r.getMessage()]
+        assert len(replaced) == 2 and "replaced" in replaced[1].getMessage()
+        # Beyond max_restarts: a clear error naming the worker and the knob.
+        workers.max_restarts, doomed[:] = 1, [1]
+        kill(workers.workers[0])
+        with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 .*max_restarts=1"):
+            workers.sync_from(new, version=workers.weights_version + 1)
+    finally:
+        workers._spawn, workers.max_restarts = spawn, 2
+    workers.sync_from(new, version=workers.weights_version + 1)  # the next sync replaces it
+    assert workers.restarts == before + 4  # 1 in the failed sync (max_restarts=1), 1 now
+    # The rollout source reports the replacements as rollout/worker_restarts.
+    actor = ActorModule(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, seed=3))
+    actor.configure_model(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
+    actor.weights_version = workers.weights_version + 1
+    workers.take_restarts()
+    kill(workers.workers[1])
+    rollout = RolloutSource(TASK, workers, actor, SAMPLING).collect(0)
+    assert rollout.worker_restarts == 1
+    stored = put_rollout(MemoryReplayStore(), range(len(rollout)), rollout, RowRules())
+    assert rollout_stats(stored, SINGLE)[0].extra["worker_restarts"] == 1
 
 
 def test_waits_are_bounded(workers):

@@ -218,7 +218,7 @@ def test_rows_put_by_the_workers_equal_the_trainers_put(workers, rank):
         assert isinstance(got, StoredRollout)
         assert {f.name for f in dataclasses.fields(got)} == {
             "row_ids", "reward", "response_tokens", "bad_rewards", "dropped", "sampling",
-            "episodes",
+            "episodes", "worker_restarts",
         }  # fmt: skip
         assert got.sampling is None  # dynamic sampling is off (and refused with a writer)
         assert got.episodes is None  # single-turn rows
@@ -290,7 +290,7 @@ def test_lost_samples_count_against_the_drop_budget_and_nothing_is_left(workers)
         assert tq_keys(store) == set() and catalog_rows(store) == 0  # released on abort
     finally:
         workers.max_restarts = 2
-        workers._replace(1)
+        workers._load_all()  # replaces the dead worker
         store.close()
 
 
