@@ -22,8 +22,8 @@ import ray
 import torch
 from _builders import random_rows, stored, tiny_backbone, tiny_lm
 from _tq import RAY, listening_addresses, tq_store
-
 from lppo.callbacks import lifecycle
+
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
