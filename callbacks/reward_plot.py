@@ -21,6 +21,18 @@ def run_dir(trainer: pl.Trainer) -> str:
     return str(trainer.log_dir or os.getcwd())
 
 
+def band(points: list[tuple[int, float, float, float, float]]) -> tuple[list[float], list[float]]:
+    """Lower and upper edges of the drawn band: mean ± std within the iteration's min..max.
+
+    Clipped to the rewards the iteration observed, so the band of a reward in [0, 1] stays
+    in [0, 1]. ``points``: ``(iteration, mean, std, min, max)``; a non-finite std draws none.
+    """
+    stds = [p[2] if math.isfinite(p[2]) else 0.0 for p in points]
+    lows = [max(p[1] - s, p[3]) for p, s in zip(points, stds, strict=True)]
+    highs = [min(p[1] + s, p[4]) for p, s in zip(points, stds, strict=True)]
+    return lows, highs
+
+
 class RewardCurve(PPOCallback):
     """Collects ``rollout/reward_mean`` ± ``reward_std`` per iteration and plots them.
 
@@ -49,7 +61,7 @@ class RewardCurve(PPOCallback):
         self.filename = filename
         self.dirpath = dirpath
         self.title = title
-        self.points: list[tuple[int, float, float]] = []
+        self.points: list[tuple[int, float, float, float, float]] = []
         self.eval_points: dict[str, list[tuple[int, float]]] = {}
         self._path: str | None = None
 
@@ -73,7 +85,10 @@ class RewardCurve(PPOCallback):
         """Record the reward of the iteration that just finished (a failed one has none)."""
         if result.failed:
             return
-        point = (int(result.iteration), result.rollout.reward_mean, result.rollout.reward_std)
+        stats = result.rollout
+        low = stats.extra.get("reward_min", -math.inf)
+        high = stats.extra.get("reward_max", math.inf)
+        point = (int(result.iteration), stats.reward_mean, stats.reward_std, low, high)
         self.points = [p for p in self.points if p[0] != point[0]]
         self.points.append(point)
         self.points.sort(key=lambda p: p[0])
@@ -112,15 +127,8 @@ class RewardCurve(PPOCallback):
         ax = fig.add_subplot(1, 1, 1)
         xs = [iteration_number(p[0]) for p in self.points]
         means = [p[1] for p in self.points]
-        stds = [p[2] if math.isfinite(p[2]) else 0.0 for p in self.points]
         if xs:
-            ax.fill_between(
-                xs,
-                [m - s for m, s in zip(means, stds, strict=True)],
-                [m + s for m, s in zip(means, stds, strict=True)],
-                alpha=0.25,
-                label="± std",
-            )
+            ax.fill_between(xs, *band(self.points), alpha=0.25, label="± std (within min..max)")
             ax.plot(xs, means, marker="o" if len(xs) < 50 else None, label="reward mean")
         for prefix, points in sorted(self.eval_points.items()):
             ax.plot(
@@ -146,9 +154,13 @@ class RewardCurve(PPOCallback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The collected ``(iteration, reward_mean, reward_std)`` points."""
+        """The collected ``(iteration, reward_mean, reward_std, reward_min, reward_max)``."""
         return {"points": [list(p) for p in self.points]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.points = [(int(i), float(m), float(s)) for i, m, s in state_dict.get("points", [])]
+        unbounded = [-math.inf, math.inf]  # points saved before the range was recorded
+        self.points = [
+            (int(p[0]), *(float(v) for v in (list(p[1:]) + unbounded)[:4]))
+            for p in state_dict.get("points", [])
+        ]

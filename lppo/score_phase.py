@@ -40,6 +40,17 @@ from lppo.types import (
 __all__ = ["ScorePhase", "rollout_stats"]
 
 
+def _reward_range(reward: torch.Tensor, group: ProcessGroup) -> dict[str, float]:
+    """``reward_min`` / ``reward_max`` of every rank's finite rewards (none without any)."""
+    finite = reward[torch.isfinite(reward)].to(torch.float64)
+    low = finite.min() if finite.numel() else torch.tensor(math.inf, dtype=torch.float64)
+    high = finite.max() if finite.numel() else torch.tensor(-math.inf, dtype=torch.float64)
+    low, neg_high = group.all_reduce(torch.stack([low, -high]), "min").tolist()  # one collective
+    if not math.isfinite(low):
+        return {}
+    return {"reward_min": low, "reward_max": -neg_high}
+
+
 def rollout_stats(rows: StoredRollout, group: ProcessGroup) -> tuple[RolloutStats, int]:
     """Reward and length moments and loss counts of every rank's rows (as generated).
 
@@ -64,6 +75,7 @@ def rollout_stats(rows: StoredRollout, group: ProcessGroup) -> tuple[RolloutStat
         dropped_rows=dropped_all,
         bad_rewards=bad_all,
     )
+    stats.update(_reward_range(rows.reward, group))
     if rows.sampling is not None:  # dynamic sampling is on (on every rank)
         counts = torch.tensor(rows.sampling.counts(), dtype=torch.float64)
         total = SamplingReport(*group.all_reduce(counts).tolist())

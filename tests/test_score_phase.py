@@ -17,6 +17,8 @@ from lppo.data import ReplayDataModule
 from lppo.hooks import PPOCallback
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
+from lppo.parallel import ProcessGroup
+from lppo.score_phase import _reward_range
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
@@ -128,3 +130,9 @@ def test_padding_fraction_is_logged_and_checkpointing_can_be_off(tmp_path: Path)
     assert len(rows) == 1
     for phase in ("score", "critic", "actor"):
         assert 0.0 <= float(rows[0][f"perf/padding_fraction/{phase}"]) < 1.0
+
+
+def test_the_rollout_reports_the_range_of_its_finite_rewards() -> None:
+    rewards = torch.tensor([0.2, float("nan"), 0.9, float("-inf"), 0.4], dtype=torch.float64)
+    assert _reward_range(rewards, ProcessGroup()) == {"reward_min": 0.2, "reward_max": 0.9}
+    assert _reward_range(torch.tensor([float("nan")]), ProcessGroup()) == {}

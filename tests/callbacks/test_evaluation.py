@@ -387,7 +387,7 @@ def test_reward_curve_and_summary_show_the_evaluation(tmp_path: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    curve.points = [(i, 0.1 * i, 0.05) for i in range(4)]
+    curve.points = [(i, 0.1 * i, 0.05, 0.0, 1.0) for i in range(4)]
     for cb in (curve, summary):
         cb.on_train_end(trainer, module)
     assert curve.eval_points == {"eval": [(1, 0.25), (3, 0.75)]}

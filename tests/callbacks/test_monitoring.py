@@ -14,6 +14,7 @@ import torch
 from _builders import random_rows, stored, tiny_backbone, tiny_lm
 from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks import PPOMetricsLogger, PPOProgress, RewardCurve, RunSummary, lifecycle
+from lppo.callbacks.reward_plot import band
 
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
@@ -400,3 +401,10 @@ def test_wandb_offline_run_file(tmp_path, monkeypatch, results):
     assert len(files) == 1
     assert os.path.getsize(files[0]) > 0
     assert cb.run_log.step == ITERATIONS * (CRITIC_EPOCHS + ACTOR_EPOCHS * ACTOR_MINIBATCHES + 1)
+
+
+def test_the_reward_band_stays_within_the_observed_rewards():
+    nan = float("nan")
+    lows, highs = band([(0, 0.9, 0.3, 0.2, 1.0), (1, 0.1, 0.3, 0.0, 0.5), (2, 0.5, nan, 0.0, 1.0)])
+    assert lows == pytest.approx([0.6, 0.0, 0.5])
+    assert highs == pytest.approx([1.0, 0.4, 0.5])
