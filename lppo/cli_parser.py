@@ -132,7 +132,9 @@ class PPOArgumentParser(LightningArgumentParser):
         if extra is not None:
             package, name = extra
             lines[0] = f"lppo: error: the Python package {package!r} is not installed"
-            lines.append(f"  fix: pip install 'lppo[{name}]'")
+            lines.append(f"  fix: pip install -c constraints.txt -e '.[{name}]' (in the clone)")
+                f"  fix: pip install -c constraints.txt -e '.[{name}]' (in the lppo clone)"
+            )
             lines.append(f"  (the parser said: {' '.join(text.split())[:300]})")
         parser = getattr(ex, "subcommand_parser", None) or self
         guess = _closest_key(parser, text)

@@ -1,7 +1,7 @@
 """Prompts and reference answers read from local JSONL or Parquet files.
 
 :class:`DatasetTask` loads the file(s) once, at construction, through the Hugging Face
-``datasets`` library (the optional extra ``pip install 'lppo[data]'``), and walks the rows in
+``datasets`` library (the optional extra ``[data]``), and walks the rows in
 epochs: each epoch visits every row once, in an order shuffled from ``(seed, epoch)`` only, so
 the order is reproducible. The position in that walk is the task's state: ``PPOSystem`` saves
 it in every iteration-boundary checkpoint, so a resumed run continues where it stopped.
@@ -125,7 +125,7 @@ def load_records(files: Sequence[str]) -> Any:
     except ImportError as err:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "DatasetTask reads files with the Hugging Face `datasets` library; install it with "
-            "`pip install 'lppo[data]'`."
+            "`pip install -c constraints.txt -e '.[data]'` in the lppo clone."
         ) from err
     files = [f for f in files if not is_blank(f, fmt)]
     if not files:
