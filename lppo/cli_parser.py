@@ -133,8 +133,6 @@ class PPOArgumentParser(LightningArgumentParser):
             package, name = extra
             lines[0] = f"lppo: error: the Python package {package!r} is not installed"
             lines.append(f"  fix: pip install -c constraints.txt -e '.[{name}]' (in the clone)")
-                f"  fix: pip install -c constraints.txt -e '.[{name}]' (in the lppo clone)"
-            )
             lines.append(f"  (the parser said: {' '.join(text.split())[:300]})")
         parser = getattr(ex, "subcommand_parser", None) or self
         guess = _closest_key(parser, text)
