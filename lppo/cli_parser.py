@@ -38,7 +38,9 @@ FIT_DESCRIPTION = (
     "apply to lppo are not listed and are refused, naming lppo's replacement."
 )
 #: ``lppo fit``'s usage line (jsonargparse's lists every option: 90 lines).
-FIT_USAGE = "lppo fit [--config FILE] [--KEY VALUE ...] [--ckpt_path FILE|last] [--print_config]"
+FIT_USAGE = (
+    "lppo fit [--config FILE] [--KEY VALUE ...] [--ckpt_path FILE|last|auto] [--print_config]"
+)
 #: Where a person starts, printed under every parse error.
 TIP = (
     "tip: start from a config (`lppo fit --config configs/tiny.yaml`) and override keys "
