@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT to a real ``lppo fit``: exit 143 / 130, summary and curve marked
 interrupted, the last checkpoint kept, and ``--ckpt_path last`` resumes bitwise; the same
-for every engine and store (Hugging Face in-process, TransferQueue, Ray rollout workers)."""
+for every engine and store (Hugging Face in-process, TransferQueue, Ray rollout workers,
+vLLM)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ from lppo.checkpointing import TMP_MARK
 pytestmark = pytest.mark.slow
 
 
-def pause_then_signal(cmd: list[str], marker: Path, sig: int) -> subprocess.CompletedProcess:
+def pause_then_signal(
+    cmd: list[str], marker: Path, sig: int, cwd: Path | None = None, **extra_env: str
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` until it writes ``marker``, send ``sig`` to it, wait for its end."""
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, env={**env(), **extra_env}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 600
     while not marker.exists():
         if proc.poll() is not None:
@@ -107,3 +112,16 @@ def test_sigterm_is_the_same_with_transfer_queue_and_ray_workers(tmp_path):
     assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["status"], summary["iterations"]) == ("completed", ITERATIONS)
+
+
+@pytest.mark.vllm
+def test_sigterm_is_the_same_with_the_vllm_engine(tmp_path):
+    """configs/vllm.yaml: the vLLM engine in the trainer process (run by .ci/vllm)."""
+    marker = tmp_path / "reached"
+    cmd = lppo_fit(tmp_path, *pause_args("critic:1", marker))
+    cmd[cmd.index("--config") + 1] = str(ROOT / "configs" / "vllm.yaml")
+    vllm_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    run = pause_then_signal(cmd, marker, signal.SIGTERM, cwd=ROOT, **vllm_env)
+    assert run.returncode == 143, run.stderr.decode()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["iterations"]) == ("interrupted", 1)
