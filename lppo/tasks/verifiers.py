@@ -133,7 +133,9 @@ class NumericAnswer(Verifier):
     Args:
         tolerance: absolute tolerance of the comparison.
         relative_tolerance: relative tolerance (``math.isclose``'s ``rel_tol``).
-        marker: the string after which the final answer follows; ``null`` disables it.
+        marker: the string after which the final answer follows; ``""`` disables it. (A
+            string, not ``str | None``: jsonargparse read the default ``"####"`` of an optional
+            string as a YAML comment, i.e. ``null``.)
         last_number: without the marker, take the last number in the text (``false``: a
             completion without the marker scores 0).
     """
@@ -142,7 +144,7 @@ class NumericAnswer(Verifier):
         self,
         tolerance: float = 1e-6,
         relative_tolerance: float = 0.0,
-        marker: str | None = "####",
+        marker: str = "####",
         last_number: bool = True,
     ) -> None:
         key = "model.task.init_args.verifier.init_args"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +162,7 @@ def test_load_state_dict_rejects_foreign_state(jsonl: Path) -> None:
         (NumericAnswer(), "41", "#### 42", 0.0),
         (NumericAnswer(), "no number", "7", 0.0),
         (NumericAnswer(last_number=False), "7", "#### 7", 0.0),
-        (NumericAnswer(marker=None), "#### 7 then 8", "8", 1.0),
+        (NumericAnswer(marker=""), "#### 7 then 8", "8", 1.0),
         (NumericAnswer(tolerance=0.01), "3.141", "3.14159", 1.0),
         (NumericAnswer(), "3.141", "3.14159", 0.0),
         (NumericAnswer(tolerance=0.0, relative_tolerance=0.01), "101", "100", 1.0),
@@ -413,3 +415,14 @@ def test_a_json_array_file_names_the_1_based_row(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"row 2 of '.*rows\.json' .* field 'question'"):
         make(path)
+
+
+def test_the_numeric_verifier_keeps_its_gsm8k_marker_through_lppo_fit() -> None:
+    """jsonargparse read the default ``"####"`` of ``marker: str | None`` as ``null``."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "lppo.cli", "fit", "--config", "configs/dataset.yaml"]
+    done = subprocess.run(
+        [*command, "--print_config"], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "marker: '####'" in done.stdout
