@@ -77,7 +77,7 @@ def run_step(module, store, step, role):
 
 def test_missing_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.core", None)
-    with pytest.raises(ImportError, match=r"lppo\[megatron\]"):
+    with pytest.raises(ImportError, match=r"constraints.txt -e '\.\[megatron\]'"):
         require_megatron()
 
 
