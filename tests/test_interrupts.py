@@ -14,11 +14,51 @@ from pathlib import Path
 
 import pytest
 import torch
+from _builders import stored
+from test_controller import make_controller, make_rollout
+from test_faults import SETTINGS, same, snapshot
 from test_sigkill import ITERATIONS, ROOT, env, final_state, lppo_fit
 
+from lppo import interrupts
 from lppo.checkpointing import TMP_MARK
+from lppo.hooks import PPOCallback
+from lppo.interrupts import RunInterrupted
+from lppo.replay import MemoryReplayStore
 
-pytestmark = pytest.mark.slow
+
+class SignalSelf(PPOCallback):
+    """Sends ``SIGTERM`` to this process at the actor's second chunk."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+
+    def on_chunk_end(self, ctx, result) -> None:
+        if ctx.phase == "actor":
+            self.chunks += 1
+            if self.chunks == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_mid_iteration_leaves_no_open_step_and_no_row():
+    """In process: lppo's handler raises RunInterrupted where the signal lands; the
+    controller aborts the open step, releases the rows and (transactional) restores both
+    models, then lets the interruption through (not an IterationError the failure policy could
+    skip)."""
+    store = MemoryReplayStore()
+    ctl = make_controller(store=store, callbacks=[SignalSelf()], **SETTINGS)
+    start = snapshot(ctl)
+    previous = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    interrupts.install()
+    try:
+        with pytest.raises(RunInterrupted) as caught:
+            ctl.run_iteration(stored(ctl, make_rollout(6, 0)), iteration=0)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert caught.value.code == 143
+    assert len(store) == 0
+    assert not any(m.step_open for m in ctl.trainable_modules())
+    assert same(snapshot(ctl), start)
 
 
 def pause_then_signal(
@@ -57,6 +97,7 @@ def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_state(root)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "point", "ran"),
     [
@@ -94,6 +135,7 @@ def test_a_signal_stops_the_run_resumably(tmp_path, straight, sig, point, ran):
     assert f"resumed from {last} after iteration 1" in resumed.stdout.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sigterm_is_the_same_with_transfer_queue_and_ray_workers(tmp_path):
     """configs/ray_workers.yaml: Ray rollout workers putting rows into TransferQueue. Ray
@@ -114,6 +156,7 @@ def test_sigterm_is_the_same_with_transfer_queue_and_ray_workers(tmp_path):
     assert (summary["status"], summary["iterations"]) == ("completed", ITERATIONS)
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_sigterm_is_the_same_with_the_vllm_engine(tmp_path):
     """configs/vllm.yaml: the vLLM engine in the trainer process (run by .ci/vllm)."""
