@@ -84,13 +84,25 @@ NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
     "limit_test_batches": ((), "lppo has no `test` subcommand"),
     "limit_predict_batches": ((), "lppo has no `predict` subcommand"),
     "inference_mode": ((True, False), "it applies to validate / test / predict, not to fit"),
+    "fast_dev_run": (
+        (False, 0),
+        "a quick check run: --trainer.max_epochs 1 --model.rollout.prompts_per_iteration 4 "
+        "--trainer.enable_checkpointing false",
+    ),
+    "log_every_n_steps": (
+        (),
+        "lppo logs every iteration and every optimizer step (PPOMetricsLogger; its log_steps "
+        "turns the per-step rows off)",
+    ),
+    "sync_batchnorm": ((False,), "lppo does not wrap its modules; no batch-norm layer is synced"),
 }
 
 #: Descriptions of ``fit`` arguments whose Lightning docstring has none.
 METHOD_HELP = {
     "ckpt_path": (
-        "checkpoint to resume from: `last` (<default_root_dir>/checkpoints/last.ckpt) or a .ckpt "
-        "file written by `lppo fit`; null: a new run."
+        "checkpoint to resume from: `last` (<default_root_dir>/checkpoints/last.ckpt; an error "
+        "when there is none), `auto` (last.ckpt when it exists, else a new run) or a .ckpt file "
+        "written by `lppo fit`; null: a new run."
     ),
 }
 
