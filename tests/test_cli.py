@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -306,7 +307,11 @@ def test_wandb_offline_run_records_the_config_inside_the_run_dir(tmp_path: Path)
     assert list(cwd.iterdir()) == []  # no ./wandb, no ./config.yaml
     runs = list(root.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list(root.rglob("*"))
-    content = runs[0].read_bytes()  # the run's records; the config is stored as JSON
+    # wandb's service process writes the records; on a loaded machine it may still be
+    # writing when lppo has exited, so wait (bounded) for them.
+    deadline = time.monotonic() + 120
+    while b"actor/loss" not in (content := runs[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert b"rollout/reward_mean" in content and b"actor/loss" in content
     found = re.search(rb'"ppo":\{"kl_coef":([0-9.e+-]+)', content)
     assert found and float(found.group(1)) == 0.0123  # model.ppo.kl_coef in the run's config
