@@ -225,7 +225,8 @@ class PPOController:
         stats.invalid_rows = float(len(plan.invalid_rows))
         padding = {"score": plan.padding_fraction}
         step = plan.steps[0]
-        stats.update(self.scorer.run(ctx, step))
+        with self.parallel.layout.gathered(self.scorer.models):  # rank-local forwards
+            stats.update(self.scorer.run(ctx, step))
         clock = _lap(seconds, "score", clock)
 
         # 3. advantages (each rank its own rows; statistics reduced over the ranks)

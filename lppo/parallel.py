@@ -7,13 +7,20 @@ context names the data-parallel group and, beside it, the tensor-parallel group 
 :func:`megatron_context`), so algorithms that reduce over data-parallel ranks never learn about
 tensor parallelism. Collectives *inside* megatron-core's layers are megatron's own.
 ``tests/test_parallel.py`` scans the package and fails if collectives are called anywhere else.
+
+The context also carries the run's :class:`ParallelLayout`, the seam that decides how modules
+are held over the data-parallel ranks: full replicas (:class:`DataParallelLayout`, here, the
+default) or shards (:class:`lppo.layouts.FSDPLayout`); see :mod:`lppo.layouts`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -155,19 +162,180 @@ class _SumPartials(torch.autograd.Function):
 SINGLE = ProcessGroup()
 
 
+@runtime_checkable
+class ParallelLayout(Protocol):
+    """How a run's modules are laid out over its processes (see the module docstring).
+
+    Every method is called on every rank at the same point of the iteration, so a layout may
+    run collectives in any of them except :meth:`abort` (failure paths may reach it on one
+    rank only).
+
+    Attributes:
+        shards_weights: ranks hold only part of each model, so generation must run in the
+            training process, inside :meth:`gathered` (no background rollouts).
+    """
+
+    shards_weights: bool
+
+    def context(self, world_size: int, rank: int) -> ParallelContext:
+        """The process groups of this rank of ``world_size`` launched processes."""
+        ...
+
+    def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
+        """Make every rank hold rank 0's states of ``root`` and wrap or shard its models.
+
+        Called once, after the modules are built (and a checkpoint's weights loaded) and
+        before the optimizers are created.
+        """
+        ...
+
+    def reduce_gradients(
+        self, module: nn.Module, params: Sequence[nn.Parameter], group: ProcessGroup
+    ) -> float:
+        """Sum the step's gradients of ``params`` over ``group`` (data-parallel); global L2 norm.
+
+        Called once per optimizer step, in :meth:`~lppo.modules.PPOModule.finish`.
+        """
+        ...
+
+    def clip_gradients(self, params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:
+        """Scale the gradients by ``min(1, max_norm / (norm + 1e-6))`` (torch's clipping rule)."""
+        ...
+
+    def idle_chunk(self, module: nn.Module) -> None:
+        """What a rank runs for a chunk it does not train (padding, or no valid token)."""
+        ...
+
+    def abort(self, module: nn.Module) -> None:
+        """Drop whatever the layout holds of the open step's gradients (local, no collective)."""
+        ...
+
+    def gathered(self, modules: Sequence[nn.Module | None]) -> AbstractContextManager[None]:
+        """Inside: ``modules`` hold full weights and forwards run rank-local (any count)."""
+        ...
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s state dict with every tensor whole (plain tensors, ordinary keys)."""
+        ...
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict with every state tensor whole (for a checkpoint)."""
+        ...
+
+    def local_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A state written by :meth:`optimizer_state`, as this rank's optimizer loads it."""
+        ...
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """Data parallelism without a wrapper: full replicas, one gradient all-reduce per step.
+
+    Every rank holds the whole actor, critic, reference and their optimizer state. Rank 0's
+    module states are broadcast once at setup; in :meth:`reduce_gradients` the step's
+    gradients (accumulated locally over any number of chunks) are summed over the
+    data-parallel ranks in one coalesced all-reduce. Forwards are rank-local, so ranks may run
+    different numbers of them and a rank with nothing to train runs nothing.
+    """
+
+    shards_weights: ClassVar[bool] = False
+
+    def context(self, world_size: int, rank: int) -> ParallelContext:
+        """Data parallelism over every launched process."""
+        return ParallelContext(data=ProcessGroup(size=world_size, rank=rank), layout=self)
+
+    def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
+        """Copy rank 0's parameters and buffers into every rank (one broadcast per dtype)."""
+        parallel.data.broadcast_module(root)
+
+    def reduce_gradients(
+        self, module: nn.Module, params: Sequence[nn.Parameter], group: ProcessGroup
+    ) -> float:
+        """Sum gradients over data-parallel ranks; the total L2 norm of the summed gradient.
+
+        A parameter with no gradient on any rank keeps ``grad = None`` (as with one process,
+        so optimizers skip it); one with a gradient on some rank gets zeros where it has none
+        (e.g. a rank holding only padding chunks).
+        """
+        sum_gradients(list(params), group)
+        grads = [p.grad for p in params if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else 0.0
+
+    def clip_gradients(self, params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:
+        """Clip as torch's ``clip_grads_with_norm_``, with the coefficient in the grads' precision.
+
+        A default float32 norm would round the coefficient of float64 gradients to ~1e-7.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+        coefficient_norm = torch.tensor(norm, dtype=dtype)
+        torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, coefficient_norm)
+
+    def idle_chunk(self, module: nn.Module) -> None:
+        """Nothing: gradients are only exchanged in :meth:`reduce_gradients`."""
+
+    def abort(self, module: nn.Module) -> None:
+        """Nothing beyond the module's own ``grad = None``."""
+
+    def gathered(self, modules: Sequence[nn.Module | None]) -> AbstractContextManager[None]:
+        """Nothing to gather: every rank holds full weights."""
+        return nullcontext()
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's own state dict (already whole)."""
+        return module.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's own state dict (already whole)."""
+        return optimizer.state_dict()
+
+    def local_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``state`` itself (every rank holds the whole optimizer)."""
+        return state
+
+
+def sum_gradients(params: list[nn.Parameter], group: ProcessGroup) -> None:
+    """Sum the ``.grad`` of ``params`` over ``group`` in one all-reduce (see above)."""
+    if group.size == 1 or not params:
+        return
+    present = torch.tensor(
+        [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
+    )
+    present = group.all_reduce(present)
+    params = [p for p, n in zip(params, present.tolist(), strict=True) if n > 0]
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = group.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]))
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
 @dataclass(frozen=True)
 class ParallelContext:
-    """The process groups of one training process.
+    """The process groups of one training process, and the layout that uses them.
 
     Attributes:
         data: the data-parallel group (ranks that train different chunks of every step and
             sum their gradients, diagnostics and statistics).
         tensor: the tensor-parallel group (ranks holding shards of the same layers and
             seeing the same chunks); single unless a megatron-core model splits its layers.
+        layout: how the modules are held over the data-parallel ranks (full replicas by
+            default; see :mod:`lppo.layouts`).
     """
 
     data: ProcessGroup = SINGLE
     tensor: ProcessGroup = SINGLE
+    layout: ParallelLayout = field(default_factory=lambda: DataParallelLayout())
 
     @classmethod
     def from_default_group(cls) -> ParallelContext:

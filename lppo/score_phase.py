@@ -124,6 +124,13 @@ class ScorePhase:
         self.reuse_engine_logprobs = config.old_logprobs == "rollout"
         self.group = group
 
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The modules whose forwards this phase runs (each rank its own number of them)."""
+        actor = None if self.reuse_engine_logprobs else self.actor
+        found = (actor, self.critic, self.reference, self.reward_model)
+        return [m for m in found if m is not None]
+
     @torch.no_grad()
     def run(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
         """Score this rank's rows (``step``: the whole phase as one step); return metrics."""

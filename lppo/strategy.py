@@ -1,4 +1,4 @@
-"""``PPODDPStrategy``: data-parallel PPO on Lightning's DDP launcher, without the DDP wrapper.
+"""``PPOStrategy``: lppo's processes on Lightning's DDP launcher, laid out by a parallel layout.
 
 Lightning's ``DDPStrategy`` wraps the LightningModule in ``DistributedDataParallel``, which
 all-reduces gradients during every backward. lppo builds one optimizer step from any number of
@@ -7,11 +7,13 @@ chunks and sums the gradients across ranks exactly once, when the step finishes
 deadlocking at worst (ranks run different numbers of backward passes). This strategy launches
 the processes and initializes the process group exactly like ``DDPStrategy`` (``gloo`` on CPU,
 ``nccl`` on CUDA unless ``process_group_backend`` says otherwise), broadcasts rank 0's module
-states once, and leaves the module unwrapped.
+states once, and hands the module to its :class:`~lppo.layouts.ParallelLayout`
+(:mod:`lppo.layouts`), which leaves it unwrapped (``ppo_ddp``) or shards it (``ppo_fsdp``).
 
-Use it as ``--trainer.strategy ppo_ddp`` (the name is registered in Lightning's
-``StrategyRegistry`` when :mod:`lppo.trainer` is imported), ``--trainer.strategy
-lppo.strategy.PPODDPStrategy``, or ``PPOTrainer(strategy=PPODDPStrategy(), devices=2)``.
+Use it as ``--trainer.strategy ppo_ddp`` / ``ppo_fsdp`` (the names of :data:`lppo.layouts.LAYOUTS`,
+registered in Lightning's ``StrategyRegistry`` when :mod:`lppo.trainer` is imported),
+``--trainer.strategy lppo.strategy.PPOStrategy`` (with ``layout: class_path: ...``), or
+``PPOTrainer(strategy=PPOStrategy(), devices=2)``.
 
 Data layout: each rank generates and rewards its own contiguous blocks of the iteration's
 prompts (``model.rollout.prompts_per_block``), puts those rows into its store (a rank-local
@@ -25,26 +27,29 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from lppo.parallel import DEFAULT_TIMEOUT, ParallelContext, ProcessGroup
+from lppo.layouts import LAYOUTS
+from lppo.parallel import DEFAULT_TIMEOUT, DataParallelLayout, ParallelContext, ParallelLayout
 
-#: Name of :class:`PPODDPStrategy` in Lightning's ``StrategyRegistry``.
+#: Name of the data-parallel :class:`PPOStrategy` in Lightning's ``StrategyRegistry``.
 STRATEGY_NAME = "ppo_ddp"
 
 
-class PPODDPStrategy(DDPStrategy):
-    """Multi-process data parallelism for lppo: DDP's launch and process group, no DDP wrapper.
+class PPOStrategy(DDPStrategy):
+    """Multi-process lppo: DDP's launch and process group, the module laid out by ``layout``.
 
-    Gradients are summed across ranks once per optimizer step by the PPO modules themselves
-    (one coalesced all-reduce in :meth:`~lppo.modules.PPOModule.finish`), diagnostics once per
-    step, advantage-whitening moments once per iteration. Each rank generates, scores and
-    trains only its own rows (see the module docstring).
+    Gradients are reduced across ranks once per optimizer step by the PPO modules through the
+    layout (:meth:`~lppo.modules.PPOModule.finish`), diagnostics once per step,
+    advantage-whitening moments once per iteration. Each rank generates, scores and trains
+    only its own rows (see the module docstring).
 
     The replay store may be rank-local (each process its own, like the default
     :class:`~lppo.replay.MemoryReplayStore`) or shared (each rank then reads and releases only
@@ -62,6 +67,9 @@ class PPODDPStrategy(DDPStrategy):
         timeout: timeout of collective operations.
         start_method: how processes are started (``popen`` re-runs the launching command, as
             ``strategy="ddp"`` does; ``spawn``/``fork`` as ``ddp_spawn``/``ddp_fork``).
+        layout: how the modules are held over the ranks (:mod:`lppo.layouts`): full replicas
+            (:class:`~lppo.layouts.DataParallelLayout`, the default) or FSDP2 shards
+            (:class:`~lppo.layouts.FSDPLayout`).
     """
 
     def __init__(
@@ -74,7 +82,9 @@ class PPODDPStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        layout: ParallelLayout | None = None,
     ) -> None:
+        self.layout: ParallelLayout = layout if layout is not None else DataParallelLayout()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -97,9 +107,34 @@ class PPODDPStrategy(DDPStrategy):
         super().setup_distributed()
 
     def configure_ddp(self) -> None:
-        """Leave the module unwrapped; make every rank start from rank 0's module states."""
+        """Hand the module to the layout: rank 0's states everywhere, then wrap or shard."""
         assert isinstance(self.model, LightningModule)
-        parallel_context(self).data.broadcast_module(self.model)
+        self.layout.prepare(self.model, parallel_context(self))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full (unsharded) state of the module, from every rank (a collective)."""
+        assert self.lightning_module is not None
+        return self.layout.full_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's full state, from every rank (a collective)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self.layout.optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load each optimizer's full state as this rank's (sharded) optimizer holds it."""
+        states = [
+            self.layout.local_optimizer_state(optimizer, state)
+            for optimizer, state in zip(
+                self.optimizers, checkpoint["optimizer_states"], strict=True
+            )
+        ]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+
+#: The data-parallel strategy's former name (``ppo_ddp`` builds a :class:`PPOStrategy`).
+PPODDPStrategy = PPOStrategy
 
 
 #: Environment variables naming the interface gloo / NCCL open their sockets on.
@@ -134,35 +169,31 @@ def bind_to_loopback(main_address: str) -> None:
 
 
 def parallel_context(strategy: Any) -> ParallelContext:
-    """The process groups of ``strategy``: data parallelism over all ranks of ``ppo_ddp``."""
-    if isinstance(strategy, PPODDPStrategy) and strategy.world_size > 1:
-        return ParallelContext(
-            data=ProcessGroup(size=strategy.world_size, rank=strategy.global_rank)
-        )
+    """The process groups of ``strategy``, built by its layout (single-process otherwise)."""
+    if isinstance(strategy, PPOStrategy) and strategy.world_size > 1:
+        return strategy.layout.context(strategy.world_size, strategy.global_rank)
     return ParallelContext()
 
 
 def check_strategy(strategy: Any, world_size: int) -> None:
-    """Reject multi-process strategies other than :class:`PPODDPStrategy`.
+    """Reject multi-process strategies other than :class:`PPOStrategy`.
 
     Raises:
         ValueError: ``world_size > 1`` with another strategy, naming ``trainer.strategy`` and
             the fix.
     """
-    if world_size <= 1 or isinstance(strategy, PPODDPStrategy):
+    if world_size <= 1 or isinstance(strategy, PPOStrategy):
         return
     raise ValueError(
         f"trainer.strategy={type(strategy).__name__} with trainer.devices x trainer.num_nodes = "
         f"{world_size} processes is not supported: Lightning's own multi-process strategies "
         "wrap (or shard) the model so that gradients are synced on every backward, while lppo "
         "sums them across ranks once per optimizer step. Use "
-        f"trainer.strategy={STRATEGY_NAME} (lppo.strategy.PPODDPStrategy), or trainer.devices=1."
+        + " or ".join(f"trainer.strategy={name}" for name in LAYOUTS)
+        + " (lppo.strategy.PPOStrategy), or trainer.devices=1."
     )
 
 
-if STRATEGY_NAME not in StrategyRegistry:
-    StrategyRegistry.register(
-        STRATEGY_NAME,
-        PPODDPStrategy,
-        description="lppo data parallelism: DDP launch and process group, no DDP wrapper",
-    )
+for _name, (_layout, _description) in LAYOUTS.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, PPOStrategy, description=_description, layout=_layout())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -186,10 +187,17 @@ class PPOSystem(LightningModule):
             check_strategy(trainer.strategy, trainer.world_size)
             parallel = parallel_context(trainer.strategy)
             callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
+        r = self.rollout
+        if parallel.layout.shards_weights and (r.max_staleness or not self.runner.live_weights):
+            raise SettingError(
+                f"trainer.strategy shards the weights ({type(parallel.layout).__name__}) but "
+                f"model.rollout.max_staleness={r.max_staleness} with runner "
+                f"{type(self.runner).__name__} generates outside the training step; use "
+                "max_staleness: 0 and the default runner, or trainer.strategy=ppo_ddp."
+            )
         if isinstance(ray := getattr(trainer, "ray", None), RaySettings):
             configure_ray(ray)  # trainer.ray, before the store or the engine needs Ray
         data = self._datamodule(trainer)
-        r = self.rollout
         data.configure(
             world_size=parallel.data.size,
             rank=parallel.data.rank,
@@ -386,7 +394,8 @@ class PPOSystem(LightningModule):
         fatal: IterationError | None = None
         try:
             # 1. rollout: admitted s iterations ago, generated meanwhile (s = 0: here, now)
-            rollout, generation = self.rollouts.take(iteration)
+            with self._full_policy():
+                rollout, generation = self.rollouts.take(iteration)
             # 2. score → advantages → critic epochs → actor epochs → release
             seconds = time.perf_counter() - clock
             result = self.controller.run_iteration(rollout, iteration, seconds, generation)
@@ -396,5 +405,11 @@ class PPOSystem(LightningModule):
         if fatal is not None:
             raise fatal
         # 3. publish the actor's weights: iteration + s + 1 is admitted with them
-        self.rollouts.publish(iteration)
+        with self._full_policy():
+            self.rollouts.publish(iteration)
         return result
+
+    def _full_policy(self) -> AbstractContextManager[None]:
+        """The actor's full weights for the engine (gathered once, under a sharding layout)."""
+        assert self.controller is not None
+        return self.controller.parallel.layout.gathered([self.actor])

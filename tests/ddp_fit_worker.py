@@ -2,15 +2,17 @@
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
 [--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]
-[--lora] [--multi-turn]`` (with ``N > 0`` the task's reward is pass/fail,
+[--lora] [--multi-turn] [--layout fsdp] [--critic-free] [--max-tokens-per-chunk T]``
+(with ``N > 0`` the task's reward is pass/fail,
 :class:`_builders.ThresholdCopyTask`, so groups are dropped and refilled; ``--lora`` trains LoRA
 adapters on actor and critic; ``--multi-turn`` rolls out two-turn hidden-digit episodes with a
-per-turn reward);
+per-turn reward; ``--layout fsdp`` shards the models with FSDP2 (``ppo_fsdp``); ``--critic-free``
+trains the actor alone with GRPO advantages);
 with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
 the partition at the end (``tq``: partition, keys left, live rows, claims, released ids).
-With ``N x M > 1`` the fit uses :class:`lppo.strategy.PPODDPStrategy`; Lightning re-runs this
+With ``N x M > 1`` the fit uses :class:`lppo.strategy.PPOStrategy`; Lightning re-runs this
 script for ranks ``1..N-1`` (so it must not run under pytest, whose command would be relaunched
 instead); with ``M > 1`` an external launcher (torchrun, SLURM's srun) starts every node. Five
 prompts in blocks of one over two ranks: rank 0 generates three, rank 1 two (uneven rows), and
@@ -37,7 +39,10 @@ from _builders import ThresholdCopyTask
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
 from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
+from lppo.estimators import GRPO
 from lppo.hooks import IterationContext, PPOCallback
+from lppo.layouts import DataParallelLayout, FSDPLayout
+from lppo.layouts.fsdp import is_sharded
 from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
@@ -45,7 +50,7 @@ from lppo.modules.lora import LoRA
 from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
-from lppo.strategy import PPODDPStrategy
+from lppo.strategy import PPOStrategy
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask, Task
 from lppo.trainer import PPOTrainer
@@ -114,6 +119,9 @@ class RecordPlans(PPOCallback):
             "cluster": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
             "socket_ips": sorted({c.laddr.ip for c in sockets if c.laddr}),
             "strategy": type(trainer.strategy).__name__,
+            "layout": type(getattr(trainer.strategy, "layout", None)).__name__,
+            "sharded_parameters": sum(is_sharded(p) for p in pl_module.parameters()),
+            "parameters": sum(1 for _ in pl_module.parameters()),
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "global_step": trainer.global_step,
             "rows_left": len(store.meta().ids),
@@ -122,7 +130,8 @@ class RecordPlans(PPOCallback):
             "tq": tq_state(store) if store.shared else None,
         }
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
-        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        full = trainer.strategy.lightning_module_state_dict()  # gathered under ppo_fsdp
+        state = {k: v.detach().cpu().clone() for k, v in full.items()}
         torch.save(state, self.out / f"state{rank}.pt")
 
 
@@ -169,13 +178,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on actor and critic")
     parser.add_argument("--multi-turn", action="store_true", help="hidden-digit episodes")
+    parser.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--critic-free", action="store_true", help="GRPO, no critic")
+    parser.add_argument("--max-tokens-per-chunk", type=int, default=MAX_TOKENS_PER_CHUNK)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     lora = LoRA(r=4, alpha=8) if args.lora else None
 
     system = PerturbedOnOtherRanks(
         actor=ActorModule(spec(0, args.dtype), lr=3e-3, lora=lora),
-        critic=CriticModule(spec(1, args.dtype), lr=3e-3, lora=lora),
+        critic=None if args.critic_free else CriticModule(spec(1, args.dtype), lr=3e-3, lora=lora),
+        estimator=GRPO() if args.critic_free else None,
         task=task(args),
         engine=engine(args),
         rollout=RolloutSettings(
@@ -195,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         ),
         num_threads=1,
     )
-    strategy: Any = PPODDPStrategy() if args.devices * args.num_nodes > 1 else "auto"
+    layout = FSDPLayout() if args.layout == "fsdp" else DataParallelLayout()
+    strategy: Any = PPOStrategy(layout=layout) if args.devices * args.num_nodes > 1 else "auto"
     trainer = PPOTrainer(
         max_epochs=ITERATIONS + args.max_staleness,
         default_root_dir=str(args.out / "run"),
@@ -208,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     store = TransferQueueReplayStore() if args.tq_temp_dir else None
     data = ReplayDataModule(
-        max_tokens_per_chunk=MAX_TOKENS_PER_CHUNK, drop_budget=3 * PROMPTS, store=store
+        max_tokens_per_chunk=args.max_tokens_per_chunk, drop_budget=3 * PROMPTS, store=store
     )
     trainer.fit(system, datamodule=data)
 

@@ -222,7 +222,7 @@ def test_two_processes_train_like_one(dtype, staleness, tmp_path):
     assert one["world_size"] == 1
     for r, record in enumerate(ranks):
         assert (record["rank"], record["world_size"]) == (r, 2)
-        assert record["strategy"] == "PPODDPStrategy"
+        assert record["strategy"] == "PPOStrategy"
         assert record["backend"] == "gloo"
         assert record["global_step"] == one["global_step"] == 2 * iterations  # 2 actor steps
         assert record["rows_left"] == 0  # every rank released its rows

@@ -8,7 +8,6 @@ are summed across data-parallel ranks once, in ``finish``.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -245,9 +244,11 @@ class PPOModule(RecordsInitArgs, nn.Module):
         """
         plan = self._require_open("train_chunk")
         if chunk.is_padding:
+            self.parallel.layout.idle_chunk(self)
             self._chunks_trained += 1
             return ChunkResult(trained=False, skipped=False, loss=0.0, tokens=0)
         if chunk.num_valid_tokens == 0:
+            self.parallel.layout.idle_chunk(self)
             self._chunks_skipped += 1
             return ChunkResult(trained=False, skipped=True, loss=0.0, tokens=chunk.num_tokens)
         chunk = chunk.to(self.device)
@@ -338,6 +339,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
         touch gradients). Calling ``abort`` with no open step is a no-op, so cleanup paths can
         call it unconditionally.
         """
+        self.parallel.layout.abort(self)
         self._zero_grad()
         self._plan = None
         self._sums = SumStats()
@@ -358,58 +360,26 @@ class PPOModule(RecordsInitArgs, nn.Module):
             p.grad = None
 
     def _apply_gradients(self) -> tuple[float, bool]:
-        """Sum gradients over ranks, call :meth:`on_before_step`, clip, step the optimizer.
+        """Reduce gradients over ranks, call :meth:`on_before_step`, clip, step the optimizer.
+
+        The layout (``self.parallel.layout``) reduces the gradients and takes their global
+        norm, and clips them.
 
         Returns:
             ``(grad_norm, stepped)``: the total norm before clipping, and whether a step was
             taken (not when the norm is non-finite: parameters and optimizer state untouched).
         """
         assert self.optimizer is not None
-        params = [p for p in self.trainable_parameters()]
-        self._sync_gradients(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else 0.0
+        layout = self.parallel.layout
+        params = self.trainable_parameters()
+        grad_norm = layout.reduce_gradients(self, params, self.parallel.data) if params else 0.0
         stepped = math.isfinite(grad_norm)
         self.on_before_step(grad_norm)
         if stepped:
             if self.max_grad_norm is not None:
-                # The clip coefficient in the grads' precision (at least float32): a default
-                # float32 norm would round the coefficient of float64 gradients to ~1e-7.
-                norm_dtype = functools.reduce(
-                    torch.promote_types, (g.dtype for g in grads), torch.float32
-                )
-                torch.nn.utils.clip_grads_with_norm_(
-                    params, self.max_grad_norm, torch.tensor(grad_norm, dtype=norm_dtype)
-                )
+                layout.clip_gradients(params, self.max_grad_norm, grad_norm)
             self.optimizer.step()
         return grad_norm, stepped
-
-    def _sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """Sum gradients over data-parallel ranks (each rank holds its share of the step).
-
-        A parameter with no gradient on any rank keeps ``grad = None`` (as with one process,
-        so optimizers skip it); one with a gradient on some rank gets zeros where it has none
-        (e.g. a rank holding only padding chunks).
-        """
-        group = self.parallel.data
-        if group.size == 1 or not params:
-            return
-        present = torch.tensor(
-            [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
-        )
-        present = group.all_reduce(present)
-        params = [p for p, n in zip(params, present.tolist(), strict=True) if n > 0]
-        if not params:
-            return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = group.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]))
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
 
 
 def _bump_weights_version(module: nn.Module, incompatible_keys: object) -> None:

@@ -15,6 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
+from lppo.layouts.fsdp import is_sharded, local_part
+from lppo.parallel import ParallelContext
+
 
 class Trainable(Protocol):
     """What a snapshot reads and restores of a module (every :class:`PPOModule` is one).
@@ -24,9 +27,11 @@ class Trainable(Protocol):
         optimizer: its optimizer (``None`` before the first step).
         scheduler: its learning-rate scheduler, if any.
         weights_version: bumped when its weights change outside a step (engines resync).
+        parallel: its process groups (sharded parameters are checked over the data group).
     """
 
     role: str
+    parallel: ParallelContext
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
     weights_version: int
@@ -110,8 +115,17 @@ class Transaction:
 
 
 def parameters_finite(module: Trainable) -> bool:
-    """Whether every trainable parameter is finite (one max-abs reduction, no overflow)."""
+    """Whether every trainable parameter is finite (one max-abs reduction, no overflow).
+
+    Sharded parameters (``DTensor``, under ``ppo_fsdp``) are checked shard by shard, and the
+    ranks agree through one all-reduce, so every rank takes the same branch.
+    """
     params = [p.detach() for p in module.trainable_parameters()]
     if not params:
         return True
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(params, norm_type=float("inf"))))
+    local = [local_part(p) for p in params]
+    finite = torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=float("inf")))
+    if not any(is_sharded(p) for p in params):
+        return bool(finite)
+    group = module.parallel.data
+    return bool(group.all_reduce(finite.to(torch.int32).reshape(1), op="min").item())

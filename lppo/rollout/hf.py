@@ -348,6 +348,9 @@ class HFGenerateEngine(RecordsInitArgs):
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
+            # Each rank generates its own rows with full weights (under FSDP, inside the
+            # layout's gathered()); HF would otherwise sync ranks per token for FSDP modules.
+            synced_gpus=False,
             **kwargs,
         )
         tokens = result.sequences[:, width:].cpu()

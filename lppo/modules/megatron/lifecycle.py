@@ -105,7 +105,7 @@ class MegatronLifecycle:
         ctx: ParallelContext = self.__dict__["_lppo_parallel"]
         if self.spec.context.tensor is ctx.tensor:
             return ctx
-        return ParallelContext(data=ctx.data, tensor=self.spec.context.tensor)
+        return ParallelContext(data=ctx.data, tensor=self.spec.context.tensor, layout=ctx.layout)
 
     @parallel.setter
     def parallel(self, ctx: ParallelContext) -> None:

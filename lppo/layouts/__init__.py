@@ -1,0 +1,21 @@
+"""Parallel layouts: how lppo's modules are held over the launched processes.
+
+:data:`LAYOUTS` names each layout for ``--trainer.strategy`` (registered in Lightning's
+``StrategyRegistry`` by :mod:`lppo.strategy`). Adding a layout: a file implementing
+:class:`~lppo.parallel.ParallelLayout` and one entry here. The data-parallel layout lives in
+:mod:`lppo.parallel` (it is every context's default); the others live here.
+"""
+
+from __future__ import annotations
+
+from lppo.layouts.fsdp import FSDPLayout
+from lppo.parallel import DataParallelLayout, ParallelLayout
+
+#: ``--trainer.strategy`` name → (layout class, description); each builds a
+#: :class:`~lppo.strategy.PPOStrategy` with that layout.
+LAYOUTS: dict[str, tuple[type[ParallelLayout], str]] = {
+    "ppo_ddp": (DataParallelLayout, "lppo data parallelism: full replicas, no DDP wrapper"),
+    "ppo_fsdp": (FSDPLayout, "lppo FSDP2: parameters, gradients and optimizer state sharded"),
+}
+
+__all__ = ["LAYOUTS", "DataParallelLayout", "FSDPLayout", "ParallelLayout"]

@@ -1,0 +1,283 @@
+"""``ppo_fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) for Hugging Face models.
+
+Every Hugging Face model of the run (actor, critic backbone, reference, reward model) is
+sharded per decoder block and then as a whole over the data-parallel ranks: each rank holds
+``1/N`` of the parameters, of the gradients and of the optimizer state. Parameters outside
+those models (a critic's value head) stay whole on every rank and are summed like
+``ppo_ddp``'s. The step lifecycle is unchanged:
+
+* chunks accumulate gradients with gradient sync off (FSDP keeps the unsharded partial sums);
+  a rank with no chunk to train runs a one-token zero-weight forward and backward, because
+  FSDP's all-gathers are collectives and every rank must issue the same ones;
+* :meth:`FSDPLayout.reduce_gradients` runs one more zero-weight forward and backward with
+  sync on: its reduce-scatter is the step's one gradient reduction, a sum (gradient divide
+  factor 1, so chunk losses stay exact shares of the step's loss);
+* the global grad norm sums every rank's shard once, and clipping scales the local shards;
+* :meth:`FSDPLayout.abort` drops FSDP's pending unsharded gradients (no collective).
+
+Forwards whose count differs between ranks (scoring, generation, evaluation) run inside
+:meth:`FSDPLayout.gathered`: one all-gather per model, then rank-local forwards on full
+weights, resharded at exit. Checkpoints hold full tensors (bitwise resumable; any world size
+can read them), and export gets full weights.
+
+Every trained model runs one forward per chunk (as lppo's actor and critic do); a subclass
+running more forwards of a sharded model per chunk must run as many in ``idle_chunk``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lppo.parallel import ParallelContext, ProcessGroup, sum_gradients
+from lppo.validation import SettingError
+
+#: Marks the models :meth:`FSDPLayout.prepare` sharded as a whole (the FSDP roots).
+ROOT_MARK = "_lppo_fsdp_root"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FSDPLayout:
+    """FSDP2 over the data-parallel ranks (see the module docstring).
+
+    Args:
+        param_dtype: compute dtype of the gathered parameters (``bfloat16``: mixed precision;
+            ``None``: the model's own dtype).
+        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
+        reshard_after_forward: free each block's gathered parameters after its forward (less
+            memory, one more all-gather in backward).
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory
+            (for GPU runs short of memory; nothing to gain on a CPU-only machine).
+    """
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in _DTYPES:
+                raise SettingError(
+                    f"trainer.strategy.layout.init_args.{key}={value!r}; use one of "
+                    f"{', '.join(_DTYPES)}, or null for the model's own dtype."
+                )
+
+    # ------------------------------------------------------------------- setup
+    shards_weights: ClassVar[bool] = True
+
+    def context(self, world_size: int, rank: int) -> ParallelContext:
+        """Sharding over every launched process (the data-parallel group)."""
+        return ParallelContext(data=ProcessGroup(size=world_size, rank=rank), layout=self)
+
+    def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
+        """Rank 0's states everywhere, then shard every Hugging Face model under ``root``."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        parallel.data.broadcast_module(root)
+        device = parallel.data.device
+        mesh = init_device_mesh(device.type, (parallel.data.size,))
+        options: dict[str, Any] = {"mesh": mesh, "mp_policy": self._precision()}
+        if self.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for model in hf_models(root):
+            blocks = set(getattr(model, "_no_split_modules", None) or ())
+            for module in model.modules():
+                if type(module).__name__ in blocks:
+                    fully_shard(module, reshard_after_forward=self.reshard_after_forward, **options)
+            fully_shard(model, **options)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    # A sum (not FSDP's mean): chunk losses are shares of the step's loss.
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+            model.set_requires_gradient_sync(False)  # reduced once, in reduce_gradients
+            setattr(model, ROOT_MARK, True)
+
+    def _precision(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        param = _DTYPES[self.param_dtype] if self.param_dtype else None
+        reduce = _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+    # --------------------------------------------------------------- the step
+    def reduce_gradients(
+        self, module: nn.Module, params: Sequence[nn.Parameter], group: ProcessGroup
+    ) -> float:
+        """Reduce-scatter the step's gradients (one synced zero-weight pass); the global norm."""
+        for model in trained_roots(module):
+            model.set_requires_gradient_sync(True)
+            try:
+                _zero_pass(model)
+            finally:
+                model.set_requires_gradient_sync(False)
+        plain = [p for p in params if not is_sharded(p)]
+        sum_gradients(plain, group)
+        sharded = torch.zeros((), dtype=torch.float64)
+        whole = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is None:
+                continue
+            if is_sharded(p.grad):
+                sharded += p.grad.to_local().detach().to(torch.float64).square().sum().cpu()
+            else:
+                whole += p.grad.detach().to(torch.float64).square().sum().cpu()
+        return float((group.all_reduce(sharded) + whole).sqrt())
+
+    def clip_gradients(self, params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:
+        """Scale every local shard (and whole gradient) by torch's clipping coefficient."""
+        coefficient = min(max_norm / (norm + 1e-6), 1.0)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    local_part(p.grad).mul_(coefficient)
+
+    def idle_chunk(self, module: nn.Module) -> None:
+        """A zero-weight forward and backward, so every rank issues the same all-gathers."""
+        for model in trained_roots(module):
+            _zero_pass(model)
+
+    def abort(self, module: nn.Module) -> None:
+        """Drop FSDP's pending unsharded gradients of the open step (local, no collective).
+
+        FSDP2 has no public call for this: ``reset_iter_state`` keeps them, and the only
+        public way (a synced backward) is a collective a failing rank cannot run.
+        """
+        for model in trained_roots(module):
+            for param_group in _param_groups(model):
+                for fsdp_param in param_group.fsdp_params:
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        fsdp_param._unsharded_param.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+
+    # ------------------------------------------------------------ full weights
+    @contextlib.contextmanager
+    def gathered(self, modules: Sequence[nn.Module | None]) -> Iterator[None]:
+        """Full weights inside: one all-gather per model, then rank-local forwards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        roots = _unique(r for m in modules if m is not None for r in roots_of(m))
+        units = _unique(u for r in roots for u in r.modules() if isinstance(u, FSDPModule))
+        for root in roots:
+            root.set_reshard_after_forward(False)
+        try:
+            for unit in units:
+                unit.unshard()
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+            for root in roots:
+                root.set_reshard_after_forward(self.reshard_after_forward)
+                root.set_reshard_after_forward(False, recurse=False)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with every shard gathered (a collective, same on every rank)."""
+        return {k: _full(v) for k, v in module.state_dict().items()}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict with every sharded state tensor gathered."""
+        state = optimizer.state_dict()
+        per_param = {
+            key: {name: _full(value) for name, value in entry.items()}
+            for key, entry in state["state"].items()
+        }
+        return {**state, "state": per_param}
+
+    def local_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Full state tensors cut into this rank's shards of the parameters they belong to."""
+        from torch.distributed.tensor import distribute_tensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        per_param: dict[Any, dict[str, Any]] = {}
+        for key, entry in state["state"].items():
+            p = params[int(key)]
+            per_param[key] = {
+                name: distribute_tensor(
+                    value.to(p.device), p.device_mesh, p.placements, src_data_rank=None
+                )
+                if is_sharded(p) and isinstance(value, torch.Tensor) and value.shape == p.shape
+                else value
+                for name, value in entry.items()
+            }
+        return {**state, "state": per_param}
+
+
+def hf_models(root: nn.Module) -> list[nn.Module]:
+    """The outermost Hugging Face models under ``root`` (each once), in module order."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+        if isinstance(module, PreTrainedModel) and not inside:
+            found.append((name, module))
+    return [m for _, m in found]
+
+
+def roots_of(module: nn.Module) -> list[nn.Module]:
+    """The models under ``module`` that :meth:`FSDPLayout.prepare` sharded."""
+    return _unique(m for m in module.modules() if getattr(m, ROOT_MARK, False))
+
+
+def trained_roots(module: nn.Module) -> list[nn.Module]:
+    """The sharded models of ``module`` with a parameter that trains."""
+    return [r for r in roots_of(module) if any(p.requires_grad for p in r.parameters())]
+
+
+def _zero_pass(model: nn.Module) -> None:
+    """Forward one token through ``model`` and backward a zero loss (every parameter takes part)."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+    first = out[0] if not isinstance(out, torch.Tensor) else out
+    (first.sum() * 0.0).backward()
+
+
+def _param_groups(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            groups.extend(module._get_fsdp_state()._fsdp_param_groups)
+    return groups
+
+
+def is_sharded(value: Any) -> bool:
+    """Whether ``value`` is a sharded tensor (a ``DTensor``) of an FSDP-sharded model."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor; a whole tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def _full(value: Any) -> Any:
+    return value.full_tensor() if is_sharded(value) else value
+
+
+def _unique(items: Any) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out
