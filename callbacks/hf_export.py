@@ -70,18 +70,19 @@ class HFExport(Callback):
         return Path(os.path.join(run_dir(trainer), "hf"))
 
     def export(self, trainer: pl.Trainer, pl_module: Any, directory: Path) -> None:
-        """Export ``pl_module`` to ``directory`` on global rank zero.
+        """Export ``pl_module`` to ``directory``: every rank takes part, global rank zero writes.
 
-        Every rank holds the same weights at an iteration boundary, so the others do nothing.
+        Every rank gathers the weights with the others (a collective under a sharding layout;
+        free with full replicas), so every rank must call this at the same point.
         """
-        if not trainer.is_global_zero:
-            return
         # Imported here: `python -m lppo.export` must not find lppo.export already imported
         # (lppo -> lppo.trainer -> lppo.callbacks).
         from lppo.export import export_system
 
-        export_system(pl_module, directory, critic=self.critic, adapter=self.adapter)
-        self.exported.append(directory)
+        write = trainer.is_global_zero
+        export_system(pl_module, directory, self.critic, self.adapter, write=write)
+        if write:
+            self.exported.append(directory)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         """After every ``every_n_iterations``-th iteration, export to ``iteration-NNNN``."""

@@ -89,13 +89,15 @@ def _generation_config(
     return config
 
 
-def export_policy(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
+def export_policy(system: PPOSystem, directory: str | os.PathLike[str], write: bool = True) -> Path:
     """Save the actor's Hugging Face model and the tokenizer into ``directory``.
 
     Args:
         system: a built system (after ``configure_model()``; e.g. trained or loaded from a
             checkpoint).
         directory: target folder (created; files already there are overwritten).
+        write: ``False`` on the ranks that only take part in gathering the weights (under a
+            sharding layout every rank must call this; one writes).
 
     Returns:
         The directory, loadable with ``AutoModelForCausalLM.from_pretrained`` and
@@ -112,9 +114,12 @@ def export_policy(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
     # policy(): the Hugging Face model the rollout engine samples from (for a megatron actor,
     # its weights converted back to Hugging Face names)
     model = _pretrained(system.actor.policy(), "actor model")
+    state = system.actor.parallel.layout.full_state_dict(model)  # gathered under ppo_fsdp
     out = Path(directory)
+    if not write:
+        return out
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, state_dict=state)
     # Written after the model (which saves its own generation config), without touching the
     # live model's config: the rollout engine keeps generating with its own settings.
     _generation_config(system, model).save_pretrained(out)
@@ -122,12 +127,13 @@ def export_policy(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
     return out
 
 
-def export_critic(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
+def export_critic(system: PPOSystem, directory: str | os.PathLike[str], write: bool = True) -> Path:
     """Save the critic's backbone (``save_pretrained``) and value head into ``directory``.
 
     Args:
         system: a built system (after ``configure_model()``).
         directory: target folder (created; files already there are overwritten).
+        write: as for :func:`export_policy`.
 
     Returns:
         The directory; :func:`load_critic` rebuilds the critic from it.
@@ -143,9 +149,12 @@ def export_critic(system: PPOSystem, directory: str | os.PathLike[str]) -> Path:
     if is_adapted(backbone):  # LoRA: an ordinary backbone with the adapters merged in
         backbone = copy.deepcopy(backbone).merge_and_unload()
     backbone = _pretrained(backbone, "critic backbone")
+    state = critic.parallel.layout.full_state_dict(backbone)  # gathered under ppo_fsdp
     out = Path(directory)
+    if not write:
+        return out
     out.mkdir(parents=True, exist_ok=True)
-    backbone.save_pretrained(out)
+    backbone.save_pretrained(out, state_dict=state)
     head = {k: v.detach().cpu().contiguous() for k, v in critic.value_head.state_dict().items()}
     save_file(head, str(out / VALUE_HEAD_FILE))
     cls = type(critic)
@@ -245,6 +254,7 @@ def export_system(
     directory: str | os.PathLike[str],
     critic: bool = True,
     adapter: bool = False,
+    write: bool = True,
 ) -> dict[str, Path]:
     """Export the policy to ``<directory>/policy`` and the critic to ``<directory>/critic``.
 
@@ -254,15 +264,18 @@ def export_system(
         critic: also export the critic.
         adapter: a LoRA actor's adapters alone (:func:`export_adapter`) instead of the merged
             model.
+        write: as for :func:`export_policy` (every rank calls it; one writes).
 
     Returns:
         ``{"policy": path}`` plus ``"critic"`` when exported.
     """
     root = Path(directory)
-    policy = export_adapter if adapter else export_policy
-    paths = {"policy": policy(system, root / POLICY_DIR)}
+    if adapter:
+        paths = {"policy": export_adapter(system, root / POLICY_DIR) if write else root}
+    else:
+        paths = {"policy": export_policy(system, root / POLICY_DIR, write)}
     if critic:
-        paths["critic"] = export_critic(system, root / CRITIC_DIR)
+        paths["critic"] = export_critic(system, root / CRITIC_DIR, write)
     return paths
 
 

@@ -2,12 +2,16 @@
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
 [--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]
-[--lora] [--multi-turn] [--layout fsdp] [--critic-free] [--max-tokens-per-chunk T]``
+[--lora] [--multi-turn] [--layout fsdp] [--critic-free] [--max-tokens-per-chunk T]
+[--iterations I] [--export] [--kill-at K] [--resume]``
 (with ``N > 0`` the task's reward is pass/fail,
 :class:`_builders.ThresholdCopyTask`, so groups are dropped and refilled; ``--lora`` trains LoRA
 adapters on actor and critic; ``--multi-turn`` rolls out two-turn hidden-digit episodes with a
 per-turn reward; ``--layout fsdp`` shards the models with FSDP2 (``ppo_fsdp``); ``--critic-free``
-trains the actor alone with GRPO advantages);
+trains the actor alone with GRPO advantages; ``--export`` writes the final policy to ``DIR/hf``
+(:class:`~lppo.callbacks.HFExport`); ``--kill-at K`` SIGKILLs every rank when iteration K (0-based)
+has rolled out, after the checkpoint of iteration K - 1; ``--resume`` continues from
+``--ckpt_path last``);
 with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
@@ -29,12 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 from _builders import ThresholdCopyTask
+from lppo.callbacks import HFExport
 
 from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
@@ -76,6 +82,17 @@ class PerturbedOnOtherRanks(PPOSystem):
             with torch.no_grad():
                 for p in self.parameters():
                     p.add_(0.1)
+
+
+class KillAt(PPOCallback):
+    """SIGKILLs this process once iteration ``at`` has rolled out (no cleanup runs)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_rollout_end(self, ctx: IterationContext) -> None:
+        if ctx.iteration == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class RecordPlans(PPOCallback):
@@ -181,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--critic-free", action="store_true", help="GRPO, no critic")
     parser.add_argument("--max-tokens-per-chunk", type=int, default=MAX_TOKENS_PER_CHUNK)
+    parser.add_argument("--iterations", type=int, default=ITERATIONS)
+    parser.add_argument("--export", action="store_true", help="HFExport into DIR/hf")
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--resume", action="store_true", help="--ckpt_path last")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     lora = LoRA(r=4, alpha=8) if args.lora else None
@@ -208,23 +229,28 @@ def main(argv: list[str] | None = None) -> None:
         ),
         num_threads=1,
     )
+    callbacks: list[Any] = [RecordPlans(args.out)]
+    if args.export:
+        callbacks.append(HFExport(directory=str(args.out / "hf")))
+    if args.kill_at is not None:
+        callbacks.append(KillAt(args.kill_at))
     layout = FSDPLayout() if args.layout == "fsdp" else DataParallelLayout()
     strategy: Any = PPOStrategy(layout=layout) if args.devices * args.num_nodes > 1 else "auto"
     trainer = PPOTrainer(
-        max_epochs=ITERATIONS + args.max_staleness,
+        max_epochs=args.iterations + args.max_staleness,
         default_root_dir=str(args.out / "run"),
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=strategy,
-        callbacks=[RecordPlans(args.out)],
+        callbacks=callbacks,
         ray=RaySettings(temp_dir=args.tq_temp_dir),
     )
     store = TransferQueueReplayStore() if args.tq_temp_dir else None
     data = ReplayDataModule(
         max_tokens_per_chunk=args.max_tokens_per_chunk, drop_budget=3 * PROMPTS, store=store
     )
-    trainer.fit(system, datamodule=data)
+    trainer.fit(system, datamodule=data, ckpt_path="last" if args.resume else None)
 
 
 if __name__ == "__main__":

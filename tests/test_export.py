@@ -251,9 +251,12 @@ def test_only_global_rank_zero_exports(tmp_path: Path) -> None:
         default_root_dir = str(tmp_path)
         current_epoch = 0
 
+    system = make_system()
+    system.configure_model()
     export = HFExport(every_n_iterations=1)
-    export.on_train_epoch_end(Rank1(), make_system())  # type: ignore[arg-type]
-    export.on_train_end(Rank1(), make_system())  # type: ignore[arg-type]
+    export.on_train_epoch_end(Rank1(), system)  # type: ignore[arg-type]
+    export.on_train_end(Rank1(), system)  # type: ignore[arg-type]
+    # Every rank takes part in gathering the weights (ppo_fsdp); only rank zero writes.
     assert export.exported == [] and not (tmp_path / "hf").exists()
 
 

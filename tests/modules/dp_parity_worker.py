@@ -1,7 +1,8 @@
 """One rank of the data-parallel parity check (standalone script, also imported by the test).
 
-Run as ``python dp_parity_worker.py --rank R --world-size W --init-file F --out O --role R``:
-joins a gloo process group through ``file://F``, trains one optimizer step of the tiny float64
+Run as ``python dp_parity_worker.py --rank R --world-size W --init-file F --out O --role R
+[--layout fsdp] [--abort-first]``: joins a gloo process group through ``file://F``, trains one
+optimizer step of the tiny float64
 actor or critic on this rank's share of the rows, and rank 0 ``torch.save``s the step's stats,
 metrics and the parameters before and after the step to ``O``.
 
@@ -29,6 +30,8 @@ from _objective_sweep import combos, sweep_store  # noqa: E402
 from lppo.algorithms import ClippedPPO  # noqa: E402
 from lppo.chunks import iter_chunks  # noqa: E402
 from lppo.data_settings import DataSettings  # noqa: E402
+from lppo.layouts import FSDPLayout  # noqa: E402
+from lppo.layouts.fsdp import is_sharded  # noqa: E402
 from lppo.modules import ActorModule, CriticModule  # noqa: E402
 from lppo.parallel import ParallelContext  # noqa: E402
 from lppo.planner import ChunkPlanner  # noqa: E402
@@ -101,17 +104,43 @@ def build_module(role: str):
     return module, names
 
 
-def run_step(role: str, world_size: int, rank: int) -> dict:
-    """Train one step of ``role`` on this rank's chunks; return stats, metrics and parameters."""
+def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module``, whole (FSDP shards gathered: a collective), cloned."""
+    return {n: _full(p.detach()).clone() for n, p in module.named_parameters()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def run_step(
+    role: str, world_size: int, rank: int, layout: str = "ddp", abort_first: bool = False
+) -> dict:
+    """Train one step of ``role`` on this rank's chunks; return stats, metrics and parameters.
+
+    ``layout="fsdp"`` shards the module's Hugging Face model with :class:`FSDPLayout`;
+    ``abort_first`` trains every chunk of the step once and aborts before the real step.
+    """
     module, names = build_module(role)
-    module.parallel = ParallelContext.from_default_group()
+    if layout == "fsdp":
+        parallel = FSDPLayout().context(world_size, rank)
+        parallel.layout.prepare(module, parallel)
+    else:
+        parallel = ParallelContext.from_default_group()
+    module.parallel = parallel
     store, step = plan_step(world_size, rank)
-    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    before = whole(module)
+    if abort_first:
+        module.begin(step)
+        for chunk in iter_chunks(store, step, names):
+            module.train_chunk(chunk)
+        module.abort()
+        assert all(torch.equal(before[n], p) for n, p in whole(module).items())
     module.begin(step)
     for chunk in iter_chunks(store, step, names):
         module.train_chunk(chunk)
     stats = module.finish()
-    after = {n: p.detach().clone() for n, p in module.named_parameters()}
+    after = whole(module)
     fields = dataclasses.asdict(stats)
     metrics = fields.pop("metrics")
     return {
@@ -121,6 +150,7 @@ def run_step(role: str, world_size: int, rank: int) -> dict:
         "after": after,
         "grad_names": module.grad_names,
         "chunks": step.chunks,
+        "sharded": sum(is_sharded(p) for p in module.parameters()),
     }
 
 
@@ -159,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-file", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--role", choices=("actor", "critic", "sweep"), required=True)
+    parser.add_argument("--layout", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--abort-first", action="store_true")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -172,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.role == "sweep":
             result = run_sweep(args.world_size, args.rank)
         else:
-            result = run_step(args.role, args.world_size, args.rank)
+            result = run_step(args.role, args.world_size, args.rank, args.layout, args.abort_first)
         torch.distributed.barrier()
         if args.rank == 0:
             torch.save(result, args.out)

@@ -38,7 +38,8 @@ def assert_tensors_close(got: torch.Tensor, want: torch.Tensor, what: str) -> No
     assert err <= RTOL * max(scale, 1e-300), f"{what}: max err {err:.3e} vs scale {scale:.3e}"
 
 
-def launch(role: str, tmp_path: Path) -> dict:
+def launch(role: str, tmp_path: Path, *extra: str) -> dict:
+    """Run the worker on ``WORLD_SIZE`` gloo ranks (``extra``: more worker arguments)."""
     init_file = tmp_path / "dist_init"
     out = tmp_path / "rank0.pt"
     env = dict(os.environ)
@@ -55,6 +56,7 @@ def launch(role: str, tmp_path: Path) -> dict:
                 f"--init-file={init_file}",
                 f"--out={out}",
                 f"--role={role}",
+                *extra,
             ],
             env=env,
             stdout=subprocess.PIPE,

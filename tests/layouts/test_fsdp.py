@@ -1,0 +1,137 @@
+"""``ppo_fsdp`` (:class:`lppo.layouts.FSDPLayout`): FSDP2 shards, one process's results.
+
+Two gloo ranks with sharded models equal one process to float64 round-off: one optimizer
+step of the actor and of the critic (``tests/modules/dp_parity_worker.py``), and whole fits
+(``tests/ddp_fit_worker.py``) with a critic and critic-free, under another chunk budget than
+the single process's; an aborted step leaves nothing behind (bitwise); a fit killed with
+SIGKILL and resumed from its last checkpoint ends bitwise where the uninterrupted fit ends;
+the exported policy gives the trained weights' logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_ddp import WORKER, finish, finish_all, start
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+_PARITY = Path(__file__).resolve().parents[1] / "modules" / "test_data_parallel.py"
+_spec = importlib.util.spec_from_file_location("_dp_parity", _PARITY)
+assert _spec is not None and _spec.loader is not None
+parity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(parity)
+
+ITERATIONS = 3
+#: The sharded fits' chunk budget; the single process keeps the worker's default (24).
+FSDP_BUDGET = 12
+
+
+# ----------------------------------------------------------------------------- one step
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_one_sharded_step_equals_one_process(role, tmp_path):
+    dp = parity.launch(role, tmp_path, "--layout=fsdp")
+    single = parity.worker.run_step(role, world_size=1, rank=0)
+    assert dp["sharded"] > 0  # the Hugging Face model's parameters are DTensor shards
+    assert dp["stats"]["stepped"]
+    assert parity.rel_close(dp["stats"]["grad_norm"], single["stats"]["grad_norm"])
+    assert dp["grad_names"] == single["grad_names"]  # `unused` stays gradient-free
+    for key, want in single["metrics"].items():
+        assert parity.rel_close(dp["metrics"][key], want), key
+    for name, want in single["after"].items():
+        parity.assert_tensors_close(dp["after"][name], want, name)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_an_aborted_sharded_step_leaves_nothing_behind(role, tmp_path):
+    """Chunks trained and aborted (FSDP holding unsharded partial gradients), then the step:
+    bitwise the step alone (the worker also checks the parameters right after abort)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = parity.launch(role, tmp_path / "a", "--layout=fsdp")
+    aborted = parity.launch(role, tmp_path / "b", "--layout=fsdp", "--abort-first")
+    assert aborted["stats"] == plain["stats"]
+    for name, want in plain["after"].items():
+        assert torch.equal(aborted["after"][name], want), name
+
+
+# ----------------------------------------------------------------------------- whole fits
+def _job(out: Path, *extra: str) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    return [str(WORKER), f"--out={out}", "--dtype=float64", f"--iterations={ITERATIONS}", *extra]
+
+
+def _sharded(out: Path, *extra: str) -> list[str]:
+    budget = f"--max-tokens-per-chunk={FSDP_BUDGET}"
+    return _job(out, "--devices=2", "--layout=fsdp", budget, *extra)
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> Path:
+    """Sharded and single-process fits, with a critic and critic-free, run concurrently."""
+    root = tmp_path_factory.mktemp("fsdp")
+    jobs = [
+        _sharded(root / "fsdp", "--export"),
+        _job(root / "single", "--devices=1", "--export"),
+        _sharded(root / "fsdp-grpo", "--critic-free"),
+        _job(root / "single-grpo", "--devices=1", "--critic-free"),
+        _sharded(root / "killed", f"--kill-at={ITERATIONS - 1}"),
+    ]
+    procs = [start(args, root) for args in jobs[:2]]
+    finish_all(procs, jobs[:2])
+    procs = [start(args, root) for args in jobs[2:]]
+    finish_all(procs[:2], jobs[2:4])
+    assert procs[2].wait(timeout=240) != 0  # SIGKILLed at the start of its last iteration
+    finish(start(_sharded(root / "killed", "--resume"), root), ["--resume"])
+    return root
+
+
+def _state(run: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    return torch.load(run / f"state{rank}.pt")
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-grpo"])
+def test_sharded_fit_equals_one_process_under_another_chunk_budget(fits, name):
+    single = "single" if name == "fsdp" else "single-grpo"
+    want = _state(fits / single)
+    ranks = [json.loads((fits / name / f"rank{r}.json").read_text()) for r in range(2)]
+    one = json.loads((fits / single / "rank0.json").read_text())
+    for record in ranks:
+        assert record["layout"] == "FSDPLayout"
+        assert 0 < record["sharded_parameters"] <= record["parameters"]
+        assert record["global_step"] == one["global_step"] == 2 * ITERATIONS
+        assert record["rows_left"] == 0
+    got = [_state(fits / name, r) for r in range(2)]
+    assert got[0].keys() == got[1].keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[0][key], got[1][key]), key
+        scale = value.abs().max().clamp_min(1e-300)
+        assert (got[0][key] - value).abs().max() <= 1e-10 * scale, key
+
+
+def test_killed_and_resumed_sharded_fit_ends_bitwise_like_the_uninterrupted_one(fits):
+    for rank in range(2):
+        want, got = _state(fits / "fsdp", rank), _state(fits / "killed", rank)
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_exported_policy_gives_the_trained_logits(fits):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 3, 4, 2, 6]])
+    logits = []
+    for name in ("fsdp", "single"):
+        model = AutoModelForCausalLM.from_pretrained(fits / name / "hf" / "policy", dtype="auto")
+        state = {k.removeprefix("actor.model."): v for k, v in _state(fits / name).items()}
+        trained = {k: v for k, v in state.items() if k in model.state_dict()}
+        assert trained.keys() == model.state_dict().keys()
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, trained[key]), key  # the export holds the final weights
+        logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-10, atol=1e-12)
