@@ -114,6 +114,7 @@ def test_every_config_is_exercised():
     assert names == [
         "dapo.yaml",
         "dataset.yaml",
+        "fsdp.yaml",
         "grpo.yaml",
         "gspo.yaml",
         "lora.yaml",
@@ -124,6 +125,32 @@ def test_every_config_is_exercised():
         "tq.yaml",
         "vllm.yaml",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_config_runs_on_two_sharded_processes(tmp_path):
+    """``configs/fsdp.yaml`` (2 processes, ``ppo_fsdp``), shortened to 2 iterations."""
+    from test_ddp import read_metrics, run_script
+
+    out = run_script(
+        [
+            "-m",
+            "lppo.cli",
+            "fit",
+            f"--config={ROOT / 'configs' / 'fsdp.yaml'}",
+            "--trainer.max_epochs=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.rollout.prompts_per_iteration=8",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Starting with 2 processes" in out
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 2
+    assert "strategy: ppo_fsdp" in (tmp_path / "version_0" / "config.yaml").read_text()
+    rows = read_metrics(tmp_path / "version_0" / "metrics.csv")
+    assert sum(1 for row in rows if row.get("actor/loss")) == 2 * 4  # 4 actor steps each
 
 
 def test_dataset_config_runs(tmp_path, monkeypatch):
