@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -170,12 +170,15 @@ class ParallelLayout(Protocol):
     run collectives in any of them except :meth:`abort` (failure paths may reach it on one
     rank only).
 
-    Attributes:
-        shards_weights: ranks hold only part of each model, so generation must run in the
-            training process, inside :meth:`gathered` (no background rollouts).
     """
 
-    shards_weights: bool
+    def shards_weights(self) -> bool:
+        """Whether ranks hold only part of each model.
+
+        Generation must then run in the training process, inside :meth:`gathered` (no
+        background rollouts).
+        """
+        ...
 
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """The process groups of this rank of ``world_size`` launched processes."""
@@ -240,7 +243,9 @@ class DataParallelLayout:
     different numbers of them and a rank with nothing to train runs nothing.
     """
 
-    shards_weights: ClassVar[bool] = False
+    def shards_weights(self) -> bool:
+        """No: every rank holds whole models."""
+        return False
 
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """Data parallelism over every launched process."""

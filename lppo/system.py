@@ -188,7 +188,7 @@ class PPOSystem(LightningModule):
             parallel = parallel_context(trainer.strategy)
             callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
         r = self.rollout
-        if parallel.layout.shards_weights and (r.max_staleness or not self.runner.live_weights):
+        if parallel.layout.shards_weights() and (r.max_staleness or not self.runner.live_weights):
             raise SettingError(
                 f"trainer.strategy shards the weights ({type(parallel.layout).__name__}) but "
                 f"model.rollout.max_staleness={r.max_staleness} with runner "

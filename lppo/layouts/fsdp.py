@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,7 +73,9 @@ class FSDPLayout:
                 )
 
     # ------------------------------------------------------------------- setup
-    shards_weights: ClassVar[bool] = True
+    def shards_weights(self) -> bool:
+        """Yes: each rank holds ``1/N`` of every Hugging Face model."""
+        return True
 
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """Sharding over every launched process (the data-parallel group)."""
@@ -163,9 +166,12 @@ class FSDPLayout:
                     fsdp_param.unsharded_accumulated_grad = None
 
     # ------------------------------------------------------------ full weights
-    @contextlib.contextmanager
-    def gathered(self, modules: Sequence[nn.Module | None]) -> Iterator[None]:
+    def gathered(self, modules: Sequence[nn.Module | None]) -> AbstractContextManager[None]:
         """Full weights inside: one all-gather per model, then rank-local forwards."""
+        return self._gathered(modules)
+
+    @contextlib.contextmanager
+    def _gathered(self, modules: Sequence[nn.Module | None]) -> Iterator[None]:
         from torch.distributed.fsdp import FSDPModule
 
         roots = _unique(r for m in modules if m is not None for r in roots_of(m))
