@@ -49,7 +49,7 @@ from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
 
-VARIANTS = ("ddp", "fsdp", "lora_ddp", "lora_fsdp")
+VARIANTS = ("ddp", "fsdp", "lora_ddp", "lora_fsdp", "fsdp_chunk")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 #: Seconds spent in the layout's own calls during the current iteration, by call.
@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     system = build(args)
-    layout = TimedFSDP() if args.variant.endswith("fsdp") else TimedDDP()
+    layout: Timed = TimedDDP()
+    if "fsdp" in args.variant:
+        layout = TimedFSDP(reduce_every_chunk=args.variant == "fsdp_chunk")
     trainer = PPOTrainer(
         max_epochs=args.iterations,
         default_root_dir=str(args.out / "run"),

@@ -13,7 +13,8 @@ vocabulary, float32), GAE, KL in the reward (``kl_coef`` 0.05, so a frozen refer
 critic and one actor step per iteration, 3 iterations, ``model.num_threads`` 1 per process.
 Variants: **ddp** (``ppo_ddp``, full fine-tuning), **fsdp** (``ppo_fsdp``, full fine-tuning),
 **lora_ddp** and **lora_fsdp** (LoRA of rank ``--lora-rank`` on the attention projections of
-actor and critic; the critic's value head trains fully).
+actor and critic; the critic's value head trains fully); ``--variants fsdp_chunk`` adds
+``ppo_fsdp`` with ``FSDPLayout(reduce_every_chunk=True)``.
 
 Per rank: local bytes (a ``DTensor`` counts its own shard) of the actor's and the critic's
 parameters, gradients at their peak (the larger of: at the end of a step's chunks, before the
@@ -44,7 +45,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_layout_worker.py"
-VARIANTS = ("ddp", "fsdp", "lora_ddp", "lora_fsdp")
+VARIANTS = ("ddp", "fsdp", "lora_ddp", "lora_fsdp", "fsdp_chunk")
 MODEL_ARGS = ("hidden", "layers", "heads", "ffn", "lora_rank", "prompts", "samples", "new_tokens")
 MiB = 1024 * 1024
 ROLES = ("actor", "critic")
@@ -213,7 +214,7 @@ def _r(per: dict[str, list[dict[str, float]]], v: str, key: str) -> float:
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--heads", type=int, default=12)

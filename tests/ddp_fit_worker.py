@@ -2,12 +2,13 @@
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
 [--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]
-[--lora] [--multi-turn] [--layout fsdp] [--critic-free] [--max-tokens-per-chunk T]
+[--lora] [--multi-turn] [--layout fsdp|fsdp_chunk] [--critic-free] [--max-tokens-per-chunk T]
 [--iterations I] [--export] [--kill-at K] [--resume]``
 (with ``N > 0`` the task's reward is pass/fail,
 :class:`_builders.ThresholdCopyTask`, so groups are dropped and refilled; ``--lora`` trains LoRA
 adapters on actor and critic; ``--multi-turn`` rolls out two-turn hidden-digit episodes with a
-per-turn reward; ``--layout fsdp`` shards the models with FSDP2 (``ppo_fsdp``); ``--critic-free``
+per-turn reward; ``--layout fsdp`` shards the models with FSDP2 (``ppo_fsdp``; ``fsdp_chunk``:
+reducing every chunk's gradients); ``--critic-free``
 trains the actor alone with GRPO advantages; ``--export`` writes the final policy to ``DIR/hf``
 (:class:`~lppo.callbacks.HFExport`); ``--kill-at K`` SIGKILLs every rank when iteration K (0-based)
 has rolled out, after the checkpoint of iteration K - 1; ``--resume`` continues from
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on actor and critic")
     parser.add_argument("--multi-turn", action="store_true", help="hidden-digit episodes")
-    parser.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--layout", choices=["ddp", "fsdp", "fsdp_chunk"], default="ddp")
     parser.add_argument("--critic-free", action="store_true", help="GRPO, no critic")
     parser.add_argument("--max-tokens-per-chunk", type=int, default=MAX_TOKENS_PER_CHUNK)
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
@@ -234,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(HFExport(directory=str(args.out / "hf")))
     if args.kill_at is not None:
         callbacks.append(KillAt(args.kill_at))
-    layout = FSDPLayout() if args.layout == "fsdp" else DataParallelLayout()
+    layout: Any = DataParallelLayout()
+    if args.layout != "ddp":
+        layout = FSDPLayout(reduce_every_chunk=args.layout == "fsdp_chunk")
     strategy: Any = PPOStrategy(layout=layout) if args.devices * args.num_nodes > 1 else "auto"
     trainer = PPOTrainer(
         max_epochs=args.iterations + args.max_staleness,

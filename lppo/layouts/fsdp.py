@@ -12,6 +12,8 @@ those models (a critic's value head) stay whole on every rank and are summed lik
 * :meth:`FSDPLayout.reduce_gradients` runs one more zero-weight forward and backward with
   sync on: its reduce-scatter is the step's one gradient reduction, a sum (gradient divide
   factor 1, so chunk losses stay exact shares of the step's loss);
+  with ``reduce_every_chunk`` each chunk's backward reduce-scatters its own gradients instead
+  (gradients stay sharded: 1/N per rank, not a full unsharded sum; no extra pass per step);
 * the global grad norm sums every rank's shard once, and clipping scales the local shards;
 * :meth:`FSDPLayout.abort` drops FSDP's pending unsharded gradients (no collective).
 
@@ -56,12 +58,17 @@ class FSDPLayout:
             memory, one more all-gather in backward).
         cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory
             (for GPU runs short of memory; nothing to gain on a CPU-only machine).
+        reduce_every_chunk: reduce-scatter every chunk's gradients in its own backward: each
+            rank holds only its shard of the gradients (not the full unsharded sum of the
+            step's chunks) and the step needs no zero-weight pass, at one reduce-scatter per
+            chunk instead of one per step; the sums are taken in another order (round-off).
     """
 
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    reduce_every_chunk: bool = False
 
     def __post_init__(self) -> None:
         for key in ("param_dtype", "reduce_dtype"):
@@ -86,6 +93,13 @@ class FSDPLayout:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        if any(hasattr(m, "peft_config") for m in root.modules()):
+            raise SettingError(
+                "model.actor.init_args.lora / model.critic.init_args.lora with "
+                "trainer.strategy=ppo_fsdp: LoRA adapters are not sharded yet (their "
+                "collectives do not line up across ranks); use trainer.strategy=ppo_ddp for "
+                "LoRA (the adapters and their optimizer state are small), or drop lora."
+            )
         parallel.data.broadcast_module(root)
         device = parallel.data.device
         mesh = init_device_mesh(device.type, (parallel.data.size,))
@@ -105,7 +119,8 @@ class FSDPLayout:
                     # A sum (not FSDP's mean): chunk losses are shares of the step's loss.
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)
-            model.set_requires_gradient_sync(False)  # reduced once, in reduce_gradients
+            # Reduced once per step, in reduce_gradients, unless every chunk reduces its own.
+            model.set_requires_gradient_sync(self.reduce_every_chunk)
             setattr(model, ROOT_MARK, True)
 
     def _precision(self) -> Any:
@@ -120,7 +135,7 @@ class FSDPLayout:
         self, module: nn.Module, params: Sequence[nn.Parameter], group: ProcessGroup
     ) -> float:
         """Reduce-scatter the step's gradients (one synced zero-weight pass); the global norm."""
-        for model in trained_roots(module):
+        for model in trained_roots(module) if not self.reduce_every_chunk else ():
             model.set_requires_gradient_sync(True)
             try:
                 _zero_pass(model)
@@ -191,13 +206,13 @@ class FSDPLayout:
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with every shard gathered (a collective, same on every rank)."""
-        return {k: _full(v) for k, v in module.state_dict().items()}
+        return {k: whole(v) for k, v in module.state_dict().items()}
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with every sharded state tensor gathered."""
         state = optimizer.state_dict()
         per_param = {
-            key: {name: _full(value) for name, value in entry.items()}
+            key: {name: whole(value) for name, value in entry.items()}
             for key, entry in state["state"].items()
         }
         return {**state, "state": per_param}
@@ -275,7 +290,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
-def _full(value: Any) -> Any:
+def whole(value: Any) -> Any:
+    """The whole tensor of a sharded one (a collective: every rank must call it); else itself."""
     return value.full_tensor() if is_sharded(value) else value
 
 

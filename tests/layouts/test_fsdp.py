@@ -77,14 +77,15 @@ def fits(tmp_path_factory) -> Path:
     jobs = [
         _sharded(root / "fsdp", "--export"),
         _job(root / "single", "--devices=1", "--export"),
+        _sharded(root / "fsdp-chunk", "--layout=fsdp_chunk"),
         _sharded(root / "fsdp-grpo", "--critic-free"),
         _job(root / "single-grpo", "--devices=1", "--critic-free"),
         _sharded(root / "killed", f"--kill-at={ITERATIONS - 1}"),
     ]
-    procs = [start(args, root) for args in jobs[:2]]
-    finish_all(procs, jobs[:2])
-    procs = [start(args, root) for args in jobs[2:]]
-    finish_all(procs[:2], jobs[2:4])
+    procs = [start(args, root) for args in jobs[:3]]
+    finish_all(procs, jobs[:3])
+    procs = [start(args, root) for args in jobs[3:]]
+    finish_all(procs[:2], jobs[3:5])
     assert procs[2].wait(timeout=240) != 0  # SIGKILLed at the start of its last iteration
     finish(start(_sharded(root / "killed", "--resume"), root), ["--resume"])
     return root
@@ -94,9 +95,10 @@ def _state(run: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     return torch.load(run / f"state{rank}.pt")
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp-grpo"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-grpo", "fsdp-chunk"])
 def test_sharded_fit_equals_one_process_under_another_chunk_budget(fits, name):
-    single = "single" if name == "fsdp" else "single-grpo"
+    """``fsdp-chunk``: ``reduce_every_chunk`` (each chunk reduce-scatters its own gradients)."""
+    single = "single-grpo" if name == "fsdp-grpo" else "single"
     want = _state(fits / single)
     ranks = [json.loads((fits / name / f"rank{r}.json").read_text()) for r in range(2)]
     one = json.loads((fits / single / "rank0.json").read_text())
@@ -135,3 +137,16 @@ def test_exported_policy_gives_the_trained_logits(fits):
             assert torch.equal(value, trained[key]), key  # the export holds the final weights
         logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-10, atol=1e-12)
+
+
+def test_lora_under_fsdp_is_refused_before_any_collective():
+    from _builders import tiny_lm
+
+    from lppo.layouts import FSDPLayout
+    from lppo.modules.lora import LoRA
+    from lppo.parallel import ParallelContext
+    from lppo.validation import SettingError
+
+    adapted = LoRA(r=4, alpha=8).wrap(tiny_lm())
+    with pytest.raises(SettingError, match=r"lora with trainer\.strategy=ppo_fsdp.*ppo_ddp"):
+        FSDPLayout().prepare(torch.nn.ModuleDict({"actor": adapted}), ParallelContext())
