@@ -345,7 +345,9 @@ class ParallelContext:
         return cls(data=ProcessGroup(size=dist.get_world_size(), rank=dist.get_rank()))
 
 
-def megatron_context(tensor_parallel_size: int) -> ParallelContext:
+def megatron_context(
+    tensor_parallel_size: int, key: str = "tensor_parallel_size"
+) -> ParallelContext:
     """Initialize megatron-core's model-parallel state (once) and name its groups.
 
     megatron-core needs a default process group even in one process: without one, a
@@ -354,15 +356,18 @@ def megatron_context(tensor_parallel_size: int) -> ParallelContext:
 
     Args:
         tensor_parallel_size: ranks each layer is split over; must divide the world size.
+        key: where the setting lives in the config (error messages).
 
     Returns:
         The data-parallel and tensor-parallel groups of this rank.
 
     Raises:
-        ValueError: the world size is not a multiple of ``tensor_parallel_size``, or
+        SettingError: the world size is not a multiple of ``tensor_parallel_size``, or
             megatron-core was initialized before with another size.
     """
     from megatron.core import parallel_state
+
+    from lppo.validation import SettingError  # lppo.validation imports nothing of lppo's here
 
     if not dist.is_initialized():
         import tempfile
@@ -372,22 +377,72 @@ def megatron_context(tensor_parallel_size: int) -> ParallelContext:
         dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
     world = dist.get_world_size()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} must be >= 1 and divide the world "
-            f"size {world}; set it to a divisor of the number of processes."
+        raise SettingError(
+            f"{key}={tensor_parallel_size} must be >= 1 and divide the number of processes, "
+            f"trainer.devices x trainer.num_nodes = {world}; set {key} to a divisor of it "
+            "(data-parallel ranks = processes / tensor_parallel_size), or change trainer.devices."
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
     have = parallel_state.get_tensor_model_parallel_world_size()
     if have != tensor_parallel_size:
-        raise ValueError(
+        raise SettingError(
             f"megatron-core is already initialized with tensor parallelism {have}; every "
             f"megatron module of a run needs the same tensor_parallel_size (got "
-            f"{tensor_parallel_size})."
+            f"{key}={tensor_parallel_size})."
         )
+    return _megatron_groups()
+
+
+def _megatron_groups() -> ParallelContext:
+    """megatron-core's data- and tensor-parallel groups of this rank (state initialized)."""
+    from megatron.core import parallel_state
+
     tp = parallel_state.get_tensor_model_parallel_group()
     dp = parallel_state.get_data_parallel_group()
     return ParallelContext(
         data=ProcessGroup(size=dist.get_world_size(dp), rank=dist.get_rank(dp), handle=dp),
         tensor=ProcessGroup(size=dist.get_world_size(tp), rank=dist.get_rank(tp), handle=tp),
     )
+
+
+def with_tensor_parallel(ctx: ParallelContext) -> ParallelContext:
+    """``ctx`` with megatron-core's groups when a built module runs tensor parallelism.
+
+    The run's data-parallel group is the launched processes (the strategy's layout builds it)
+    unless a megatron module split its layers over ``tensor_parallel_size`` of them: then it
+    is megatron's data-parallel group (one rank per tensor-parallel replica), so rollout,
+    scoring, the planner, statistics and the setup broadcast span the replicas while the
+    tensor-parallel ranks of a replica see the same rows. Called after the modules are built
+    (their specs initialize megatron, :func:`megatron_context`); a run without megatron or
+    with ``tensor_parallel_size: 1`` gets ``ctx`` itself.
+
+    Raises:
+        SettingError: tensor parallelism under a layout that shards the weights
+            (``trainer.strategy=ppo_fsdp``), or megatron's groups do not span ``ctx``'s ranks.
+    """
+    import sys
+
+    from lppo.validation import SettingError
+
+    state = sys.modules.get("megatron.core.parallel_state")  # never imported: no megatron
+    if state is None or not state.model_parallel_is_initialized():
+        return ctx
+    tp = state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return ctx
+    if ctx.layout.shards_weights:
+        raise SettingError(
+            f"tensor_parallel_size={tp} with trainer.strategy sharding the weights "
+            f"({type(ctx.layout).__name__}, ppo_fsdp): the FSDP layout is for Hugging Face "
+            "models; use trainer.strategy=ppo_ddp with megatron tensor parallelism, or "
+            "tensor_parallel_size: 1."
+        )
+    megatron = _megatron_groups()
+    if megatron.data.size * megatron.tensor.size != ctx.data.size:
+        raise SettingError(
+            f"megatron-core's groups ({megatron.data.size} data- x {megatron.tensor.size} "
+            f"tensor-parallel ranks) do not span the run's {ctx.data.size} processes "
+            "(trainer.devices x trainer.num_nodes); use trainer.strategy=ppo_ddp."
+        )
+    return ParallelContext(data=megatron.data, tensor=megatron.tensor, layout=ctx.layout)

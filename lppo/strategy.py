@@ -37,7 +37,13 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lppo.layouts import LAYOUTS
-from lppo.parallel import DEFAULT_TIMEOUT, DataParallelLayout, ParallelContext, ParallelLayout
+from lppo.parallel import (
+    DEFAULT_TIMEOUT,
+    DataParallelLayout,
+    ParallelContext,
+    ParallelLayout,
+    with_tensor_parallel,
+)
 
 #: Name of the data-parallel :class:`PPOStrategy` in Lightning's ``StrategyRegistry``.
 STRATEGY_NAME = "ppo_ddp"
@@ -107,7 +113,11 @@ class PPOStrategy(DDPStrategy):
         super().setup_distributed()
 
     def configure_ddp(self) -> None:
-        """Hand the module to the layout: rank 0's states everywhere, then wrap or shard."""
+        """Hand the module to the layout: rank 0's states everywhere, then wrap or shard.
+
+        Under tensor parallelism "everywhere" is the data-parallel group (each tensor-parallel
+        rank's shards come from data-parallel rank 0 of the same tensor rank).
+        """
         assert isinstance(self.model, LightningModule)
         self.layout.prepare(self.model, parallel_context(self))
 
@@ -169,9 +179,15 @@ def bind_to_loopback(main_address: str) -> None:
 
 
 def parallel_context(strategy: Any) -> ParallelContext:
-    """The process groups of ``strategy``, built by its layout (single-process otherwise)."""
+    """The process groups of ``strategy``: the one place a run's data-parallel group is decided.
+
+    Built by the strategy's layout over the launched processes (single-process otherwise),
+    refined to megatron-core's data- and tensor-parallel groups when a built module runs
+    tensor parallelism (:func:`~lppo.parallel.with_tensor_parallel`).
+    """
     if isinstance(strategy, PPOStrategy) and strategy.world_size > 1:
-        return strategy.layout.context(strategy.world_size, strategy.global_rank)
+        ctx = strategy.layout.context(strategy.world_size, strategy.global_rank)
+        return with_tensor_parallel(ctx)
     return ParallelContext()
 
 

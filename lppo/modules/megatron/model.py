@@ -25,6 +25,7 @@ from lppo.modules.megatron.convert import (
     split_dim,
     unshard,
 )
+from lppo.modules.megatron.full_state import install_model_hooks
 from lppo.parallel import ParallelContext, ProcessGroup, megatron_context
 from lppo.validation import check_number
 
@@ -100,6 +101,7 @@ class MegatronGPT:
         self.bucket_size = bucket_size
         self.hf_config: transformers.PretrainedConfig | None = None
         self.context = ParallelContext()
+        self.key = "tensor_parallel_size"  # its config key, named in messages (validate)
 
     # ------------------------------------------------------------------ build
 
@@ -109,7 +111,8 @@ class MegatronGPT:
         Raises:
             SettingError: naming ``<key>.<setting>``, the value and the allowed range.
         """
-        check_number(f"{key}.tensor_parallel_size", self.tensor_parallel_size, integer=True, low=1)
+        self.key = f"{key}.tensor_parallel_size"
+        check_number(self.key, self.tensor_parallel_size, integer=True, low=1)
         check_number(
             f"{key}.bucket_size",
             self.bucket_size,
@@ -142,7 +145,7 @@ class MegatronGPT:
             ``megatron.core.distributed.DistributedDataParallel`` around the GPTModel; its
             forward returns ``[B, T, V / tp]`` logits (or ``[B, T, 1]`` values).
         """
-        self.context = megatron_context(self.tensor_parallel_size)
+        self.context = megatron_context(self.tensor_parallel_size, self.key)
         if torch.cuda.is_available():
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -170,6 +173,8 @@ class MegatronGPT:
                     param.tensor_model_parallel = True
                     param.partition_dim = dim
                     param.partition_stride = 1
+        if tp.size > 1:  # state dicts (checkpoints) hold whole tensors
+            install_model_hooks(gpt, tp)
         return self._wrap(gpt)
 
     @property
