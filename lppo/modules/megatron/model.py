@@ -60,6 +60,16 @@ class ValueHead(nn.Module):
         return self.head(hidden), None
 
 
+def _wrapped_keys(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load hook of megatron's DDP: its state dict keys lack ``module.``; loading wants them.
+
+    megatron's ``state_dict`` returns the wrapped model's keys, but torch's recursive load
+    reaches the model through the wrapper's ``module`` child (``<prefix>module.<name>``).
+    """
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
+        state[prefix + "module." + key[len(prefix) :]] = state.pop(key)
+
+
 class MegatronGPT:
     """Factory of a megatron-core GPTModel (local layer spec) holding a Hugging Face Llama.
 
@@ -272,7 +282,9 @@ class MegatronGPT:
             use_distributed_optimizer=self.distributed_optimizer,
             bucket_size=self.bucket_size,
         )
-        return DistributedDataParallel(gpt.config, ddp, gpt)
+        wrapped = DistributedDataParallel(gpt.config, ddp, gpt)
+        wrapped.register_load_state_dict_pre_hook(_wrapped_keys)
+        return wrapped
 
     # ----------------------------------------------------------------- export
     def export_state(self, model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
