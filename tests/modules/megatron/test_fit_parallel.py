@@ -71,6 +71,37 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def resume(run: Path) -> tuple[str, ...]:
+    """Arguments resuming ``run``'s fit from its last checkpoint for a third iteration."""
+    return ("--trainer.max_epochs=3", f"--ckpt_path={run / 'run' / 'checkpoints' / 'last.ckpt'}")
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same names, dtypes and shapes; values equal to ``RTOL`` of each tensor's scale."""
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if not isinstance(value, torch.Tensor):  # megatron's _extra_state (None)
+            assert got[name] == value, name
+            continue
+        mine = got[name]
+        assert mine.dtype == value.dtype and mine.shape == value.shape, name
+        err = (mine - value).abs().max().item()
+        assert err <= RTOL * max(value.abs().max().item(), 1e-300), (name, err)
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """``last.ckpt`` of runs ``a`` and ``b``: same weights and optimizer moments (``RTOL``)."""
+    one, two = (
+        torch.load(r / "run" / "checkpoints" / "last.ckpt", weights_only=False) for r in (a, b)
+    )
+    assert one["state_dict"]["actor.model.embedding.word_embeddings.weight"].shape[0] == 14
+    assert_close(one["state_dict"], two["state_dict"])
+    for x, y in zip(one["optimizer_states"], two["optimizer_states"], strict=True):
+        assert x["state"].keys() == y["state"].keys()
+        for i, state in y["state"].items():
+            assert_close(x["state"][i], state)
+
+
 def records(out: Path, world: int) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     states = [torch.load(out / f"state{r}.pt") for r in range(world)]
@@ -112,12 +143,22 @@ def test_two_data_by_two_tensor_parallel_ranks_train_like_one_process(tmp_path):
     for state in tp_states[1:]:
         assert state.keys() == tp_states[0].keys()
         assert all(torch.equal(state[k], tp_states[0][k]) for k in state)
-    assert tp_states[0].keys() == one_state.keys()
-    for name, want in one_state.items():
-        got = tp_states[0][name]
-        assert got.dtype == want.dtype == torch.float64 and got.shape == want.shape, name
-        err = (got - want).abs().max().item()
-        assert err <= RTOL * max(want.abs().max().item(), 1e-300), (name, err)
+    assert_close(tp_states[0], one_state)
+    # the checkpoint holds whole tensors (weights and AdamW moments): the single process's
+    assert_same_checkpoint(tmp_path / "tp", tmp_path / "one")
+
+    # resumed from its checkpoint for a third iteration, 2 x 2 still equals 1 process
+    resumed = {
+        name: start(tmp_path / f"{name}3", *SMALL, *extra, *resume(tmp_path / name))
+        for name, extra in (("tp", ()), ("one", (*TP1, "--trainer.devices=1")))
+    }
+    for name, proc in resumed.items():
+        rc, out = finish(proc)
+        assert rc == 0, f"resumed {name} fit failed:\n{out[-6000:]}"
+    [tp3, _, _, _], [tp3_state, *_] = records(tmp_path / "tp3", 4)
+    [one3], [one3_state] = records(tmp_path / "one3", 1)
+    assert [r["iteration"] for r in tp3["rollouts"]] == [r["iteration"] for r in one3["rollouts"]]
+    assert_close(tp3_state, one3_state)
 
 
 def test_processes_not_divisible_by_tensor_parallel_size_fail_at_setup(tmp_path):
