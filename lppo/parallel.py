@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lppo.validation import SettingError
+
 ReduceOp = Literal["sum", "min", "max"]
 
 #: Collective timeout used by lppo's strategy (the ``torch.distributed`` default).
@@ -367,8 +369,6 @@ def megatron_context(
     """
     from megatron.core import parallel_state
 
-    from lppo.validation import SettingError  # lppo.validation imports nothing of lppo's here
-
     if not dist.is_initialized():
         import tempfile
 
@@ -391,10 +391,10 @@ def megatron_context(
             f"megatron module of a run needs the same tensor_parallel_size (got "
             f"{key}={tensor_parallel_size})."
         )
-    return _megatron_groups()
+    return megatron_groups()
 
 
-def _megatron_groups() -> ParallelContext:
+def megatron_groups() -> ParallelContext:
     """megatron-core's data- and tensor-parallel groups of this rank (state initialized)."""
     from megatron.core import parallel_state
 
@@ -404,45 +404,3 @@ def _megatron_groups() -> ParallelContext:
         data=ProcessGroup(size=dist.get_world_size(dp), rank=dist.get_rank(dp), handle=dp),
         tensor=ProcessGroup(size=dist.get_world_size(tp), rank=dist.get_rank(tp), handle=tp),
     )
-
-
-def with_tensor_parallel(ctx: ParallelContext) -> ParallelContext:
-    """``ctx`` with megatron-core's groups when a built module runs tensor parallelism.
-
-    The run's data-parallel group is the launched processes (the strategy's layout builds it)
-    unless a megatron module split its layers over ``tensor_parallel_size`` of them: then it
-    is megatron's data-parallel group (one rank per tensor-parallel replica), so rollout,
-    scoring, the planner, statistics and the setup broadcast span the replicas while the
-    tensor-parallel ranks of a replica see the same rows. Called after the modules are built
-    (their specs initialize megatron, :func:`megatron_context`); a run without megatron or
-    with ``tensor_parallel_size: 1`` gets ``ctx`` itself.
-
-    Raises:
-        SettingError: tensor parallelism under a layout that shards the weights
-            (``trainer.strategy=ppo_fsdp``), or megatron's groups do not span ``ctx``'s ranks.
-    """
-    import sys
-
-    from lppo.validation import SettingError
-
-    state = sys.modules.get("megatron.core.parallel_state")  # never imported: no megatron
-    if state is None or not state.model_parallel_is_initialized():
-        return ctx
-    tp = state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return ctx
-    if ctx.layout.shards_weights:
-        raise SettingError(
-            f"tensor_parallel_size={tp} with trainer.strategy sharding the weights "
-            f"({type(ctx.layout).__name__}, ppo_fsdp): the FSDP layout is for Hugging Face "
-            "models; use trainer.strategy=ppo_ddp with megatron tensor parallelism, or "
-            "tensor_parallel_size: 1."
-        )
-    megatron = _megatron_groups()
-    if megatron.data.size * megatron.tensor.size != ctx.data.size:
-        raise SettingError(
-            f"megatron-core's groups ({megatron.data.size} data- x {megatron.tensor.size} "
-            f"tensor-parallel ranks) do not span the run's {ctx.data.size} processes "
-            "(trainer.devices x trainer.num_nodes); use trainer.strategy=ppo_ddp."
-        )
-    return ParallelContext(data=megatron.data, tensor=megatron.tensor, layout=ctx.layout)
