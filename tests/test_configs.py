@@ -6,8 +6,11 @@ import csv
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from lppo.cli import run
 
@@ -238,11 +241,6 @@ def test_megatron_tp2_config_runs(tmp_path):
     iteration, on CPU through the megatron shims in ``tests/megatron_fit_worker.py`` (in its
     own processes: Lightning relaunches the command for ranks 1-3); the checkpoint holds whole
     tensors."""
-    import subprocess
-    import sys
-
-    import torch
-
     root = tmp_path / "run"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "tests" / "megatron_fit_worker.py"), "fit"]
