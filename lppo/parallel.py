@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lppo.validation import SettingError
+
 ReduceOp = Literal["sum", "min", "max"]
 
 #: Collective timeout used by lppo's strategy (the ``torch.distributed`` default).
@@ -350,7 +352,9 @@ class ParallelContext:
         return cls(data=ProcessGroup(size=dist.get_world_size(), rank=dist.get_rank()))
 
 
-def megatron_context(tensor_parallel_size: int) -> ParallelContext:
+def megatron_context(
+    tensor_parallel_size: int, key: str = "tensor_parallel_size"
+) -> ParallelContext:
     """Initialize megatron-core's model-parallel state (once) and name its groups.
 
     megatron-core needs a default process group even in one process: without one, a
@@ -359,12 +363,13 @@ def megatron_context(tensor_parallel_size: int) -> ParallelContext:
 
     Args:
         tensor_parallel_size: ranks each layer is split over; must divide the world size.
+        key: where the setting lives in the config (error messages).
 
     Returns:
         The data-parallel and tensor-parallel groups of this rank.
 
     Raises:
-        ValueError: the world size is not a multiple of ``tensor_parallel_size``, or
+        SettingError: the world size is not a multiple of ``tensor_parallel_size``, or
             megatron-core was initialized before with another size.
     """
     from megatron.core import parallel_state
@@ -377,19 +382,27 @@ def megatron_context(tensor_parallel_size: int) -> ParallelContext:
         dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
     world = dist.get_world_size()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} must be >= 1 and divide the world "
-            f"size {world}; set it to a divisor of the number of processes."
+        raise SettingError(
+            f"{key}={tensor_parallel_size} must be >= 1 and divide the number of processes, "
+            f"trainer.devices x trainer.num_nodes = {world}; set {key} to a divisor of it "
+            "(data-parallel ranks = processes / tensor_parallel_size), or change trainer.devices."
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
     have = parallel_state.get_tensor_model_parallel_world_size()
     if have != tensor_parallel_size:
-        raise ValueError(
+        raise SettingError(
             f"megatron-core is already initialized with tensor parallelism {have}; every "
             f"megatron module of a run needs the same tensor_parallel_size (got "
-            f"{tensor_parallel_size})."
+            f"{key}={tensor_parallel_size})."
         )
+    return megatron_groups()
+
+
+def megatron_groups() -> ParallelContext:
+    """megatron-core's data- and tensor-parallel groups of this rank (state initialized)."""
+    from megatron.core import parallel_state
+
     tp = parallel_state.get_tensor_model_parallel_group()
     dp = parallel_state.get_data_parallel_group()
     return ParallelContext(

@@ -22,6 +22,7 @@ from torch import nn
 
 from lppo.modules.lifecycle import ChunkResult
 from lppo.modules.megatron.convert import split_dim
+from lppo.modules.megatron.full_state import install_optimizer_hooks
 from lppo.parallel import ParallelContext
 from lppo.types import Chunk
 from lppo.validation import SettingError
@@ -111,20 +112,21 @@ class MegatronLifecycle:
     def parallel(self, ctx: ParallelContext) -> None:
         """Take the controller's groups (at setup); data-parallel sizes must agree.
 
+        ``lppo fit`` hands over megatron's own data-parallel group under tensor parallelism
+        (:func:`lppo.strategy.parallel_context`); any other group of another size is refused.
+
         Raises:
-            SettingError: lppo's data-parallel ranks are not megatron-core's (tensor
-                parallelism over several processes of ``lppo fit``), naming the keys.
+            SettingError: lppo's data-parallel ranks are not megatron-core's, naming the keys.
         """
         built = getattr(getattr(self, "spec", None), "context", None)  # None before the build
         mine, megatron = ctx.data.size, built.data.size if built is not None else ctx.data.size
         if mine != megatron:
-            tp = self.spec.tensor_parallel_size
             raise SettingError(
-                f"{self.config_key}.model.init_args.tensor_parallel_size={tp}: lppo trains over "
-                f"{mine} data-parallel rank(s) (trainer.devices x trainer.num_nodes) but "
-                f"megatron-core's data-parallel group has {megatron}. Tensor parallelism over "
-                "the processes of lppo fit is not supported yet: set tensor_parallel_size: 1, "
-                "or run tensor parallelism in one data-parallel replica of your own launcher."
+                f"{self.spec.key}={self.spec.tensor_parallel_size}: lppo trains over "
+                f"{mine} data-parallel rank(s) but megatron-core's data-parallel group has "
+                f"{megatron} (trainer.devices x trainer.num_nodes / tensor_parallel_size). Take "
+                "the groups from lppo.strategy.parallel_context (as lppo fit does), or set "
+                "tensor_parallel_size: 1."
             )
         self.__dict__["_lppo_parallel"] = ctx
 
@@ -135,7 +137,11 @@ class MegatronLifecycle:
     def configure_optimizer(self) -> Any:
         """Megatron's distributed optimizer on CUDA; torch AdamW over the buffer elsewhere."""
         if self.optimizer is not None or not self._use_megatron_optimizer():
-            return super().configure_optimizer()  # type: ignore[misc]
+            built = self.optimizer is not None
+            optimizer = super().configure_optimizer()  # type: ignore[misc]
+            if not built and self.parallel.tensor.size > 1:  # checkpoints hold whole moments
+                install_optimizer_hooks(optimizer, self.ddp.module, self.parallel.tensor)
+            return optimizer
         if self._optimizer_factory or self._scheduler_factory or self.warmup_steps:
             raise ValueError(
                 f"{self.role}: megatron's distributed optimizer runs at a constant lr; drop "

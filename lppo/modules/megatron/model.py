@@ -25,6 +25,7 @@ from lppo.modules.megatron.convert import (
     split_dim,
     unshard,
 )
+from lppo.modules.megatron.full_state import install_model_hooks
 from lppo.parallel import ParallelContext, ProcessGroup, megatron_context
 from lppo.validation import check_number
 
@@ -57,6 +58,16 @@ class ValueHead(nn.Module):
     def forward(self, hidden: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """Apply the head; megatron's output-layer keywords (``weight``, ...) are ignored."""
         return self.head(hidden), None
+
+
+def _wrapped_keys(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load hook of megatron's DDP: its state dict keys lack ``module.``; loading wants them.
+
+    megatron's ``state_dict`` returns the wrapped model's keys, but torch's recursive load
+    reaches the model through the wrapper's ``module`` child (``<prefix>module.<name>``).
+    """
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
+        state[prefix + "module." + key[len(prefix) :]] = state.pop(key)
 
 
 class MegatronGPT:
@@ -100,6 +111,7 @@ class MegatronGPT:
         self.bucket_size = bucket_size
         self.hf_config: transformers.PretrainedConfig | None = None
         self.context = ParallelContext()
+        self.key = "tensor_parallel_size"  # its config key, named in messages (validate)
 
     # ------------------------------------------------------------------ build
 
@@ -109,7 +121,8 @@ class MegatronGPT:
         Raises:
             SettingError: naming ``<key>.<setting>``, the value and the allowed range.
         """
-        check_number(f"{key}.tensor_parallel_size", self.tensor_parallel_size, integer=True, low=1)
+        self.key = f"{key}.tensor_parallel_size"
+        check_number(self.key, self.tensor_parallel_size, integer=True, low=1)
         check_number(
             f"{key}.bucket_size",
             self.bucket_size,
@@ -142,7 +155,7 @@ class MegatronGPT:
             ``megatron.core.distributed.DistributedDataParallel`` around the GPTModel; its
             forward returns ``[B, T, V / tp]`` logits (or ``[B, T, 1]`` values).
         """
-        self.context = megatron_context(self.tensor_parallel_size)
+        self.context = megatron_context(self.tensor_parallel_size, self.key)
         if torch.cuda.is_available():
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -170,6 +183,8 @@ class MegatronGPT:
                     param.tensor_model_parallel = True
                     param.partition_dim = dim
                     param.partition_stride = 1
+        if tp.size > 1:  # state dicts (checkpoints) hold whole tensors
+            install_model_hooks(gpt, tp)
         return self._wrap(gpt)
 
     @property
@@ -267,7 +282,9 @@ class MegatronGPT:
             use_distributed_optimizer=self.distributed_optimizer,
             bucket_size=self.bucket_size,
         )
-        return DistributedDataParallel(gpt.config, ddp, gpt)
+        wrapped = DistributedDataParallel(gpt.config, ddp, gpt)
+        wrapped.register_load_state_dict_pre_hook(_wrapped_keys)
+        return wrapped
 
     # ----------------------------------------------------------------- export
     def export_state(self, model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
