@@ -24,6 +24,23 @@ def _transfer_queue_session():
     _tq.shutdown()
 
 
+@pytest.fixture(scope="session")
+def straight_tiny_fit(tmp_path_factory):
+    """The final state dict of one uninterrupted ``lppo fit`` of ``test_sigkill.ARGS``.
+
+    The reference that every killed-and-resumed or signalled-and-resumed run of that same
+    configuration (tests/test_sigkill.py, tests/test_interrupts.py) must equal bitwise; it is
+    deterministic, so one run serves the whole session.
+    """
+    import subprocess
+
+    from test_sigkill import env, final_state, lppo_fit
+
+    root = tmp_path_factory.mktemp("straight")
+    subprocess.run(lppo_fit(root), check=True, env=env(), capture_output=True, timeout=900)
+    return final_state(root)
+
+
 def _vllm_available() -> bool:
     import importlib.util
 

@@ -90,13 +90,6 @@ def pause_args(point: str, marker: Path) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
-    root = tmp_path_factory.mktemp("straight")
-    subprocess.run(lppo_fit(root), check=True, env=env(), capture_output=True, timeout=900)
-    return final_state(root)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "point", "ran"),
@@ -106,7 +99,7 @@ def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
         (signal.SIGTERM, "write:1", 2),  # iteration 1 ran, its checkpoint write was stopped
     ],
 )
-def test_a_signal_stops_the_run_resumably(tmp_path, straight, sig, point, ran):
+def test_a_signal_stops_the_run_resumably(tmp_path, straight_tiny_fit, sig, point, ran):
     marker = tmp_path / "reached"
     run = pause_then_signal(lppo_fit(tmp_path, *pause_args(point, marker)), marker, sig)
     assert run.returncode == 128 + sig, run.stderr.decode()[-2000:]
@@ -126,7 +119,8 @@ def test_a_signal_stops_the_run_resumably(tmp_path, straight, sig, point, ran):
     )
     assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
     state = final_state(tmp_path)
-    for key, value in straight.items():
+    assert state.keys() == straight_tiny_fit.keys()  # tests/conftest.py: the uninterrupted run
+    for key, value in straight_tiny_fit.items():
         assert torch.equal(state[key], value), key
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed"

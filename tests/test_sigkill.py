@@ -43,15 +43,9 @@ def final_state(root: Path) -> dict[str, torch.Tensor]:
     return ckpt["state_dict"]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
-    root = tmp_path_factory.mktemp("straight")
-    subprocess.run(lppo_fit(root), check=True, env=env(), capture_output=True, timeout=900)
-    return final_state(root)
-
-
 @pytest.mark.parametrize("point", ["rollout:1", "critic:1", "actor:2", "checkpoint:1"])
-def test_sigkill_then_resume_is_bitwise_equal(tmp_path, straight, point):
+def test_sigkill_then_resume_is_bitwise_equal(tmp_path, straight_tiny_fit, point):
+    straight = straight_tiny_fit  # tests/conftest.py: the uninterrupted run of ARGS
     marker = tmp_path / "reached"
     pause = ["--trainer.callbacks+=_fault_points.PauseAt"]
     pause += [f"--trainer.callbacks.point={point}", f"--trainer.callbacks.marker={marker}"]
