@@ -93,13 +93,6 @@ class FSDPLayout:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        if any(hasattr(m, "peft_config") for m in root.modules()):
-            raise SettingError(
-                "model.actor.init_args.lora / model.critic.init_args.lora with "
-                "trainer.strategy=ppo_fsdp: LoRA adapters are not sharded yet (their "
-                "collectives do not line up across ranks); use trainer.strategy=ppo_ddp for "
-                "LoRA (the adapters and their optimizer state are small), or drop lora."
-            )
         parallel.data.broadcast_module(root)
         device = parallel.data.device
         mesh = init_device_mesh(device.type, (parallel.data.size,))
@@ -109,7 +102,8 @@ class FSDPLayout:
 
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for model in hf_models(root):
-            blocks = set(getattr(model, "_no_split_modules", None) or ())
+            hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+            blocks = set(getattr(hf, "_no_split_modules", None) or ())
             for module in model.modules():
                 if type(module).__name__ in blocks:
                     fully_shard(module, reshard_after_forward=self.reshard_after_forward, **options)
@@ -239,13 +233,18 @@ class FSDPLayout:
 
 
 def hf_models(root: nn.Module) -> list[nn.Module]:
-    """The outermost Hugging Face models under ``root`` (each once), in module order."""
+    """The outermost Hugging Face (or PEFT) models under ``root`` (each once), in module order.
+
+    A LoRA model is sharded at its PEFT wrapper: PEFT calls the inner model's ``forward``
+    directly, past the hooks FSDP puts on the module it shards.
+    """
     from transformers import PreTrainedModel
 
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         inside = any(name.startswith(f"{outer}.") for outer, _ in found)
-        if isinstance(module, PreTrainedModel) and not inside:
+        model = isinstance(module, PreTrainedModel) or hasattr(module, "peft_config")
+        if model and not inside:
             found.append((name, module))
     return [m for _, m in found]
 

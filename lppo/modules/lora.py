@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lppo.layouts.fsdp import whole
 from lppo.validation import SettingError, check_number
 
 EXTRA = "pip install -c constraints.txt -e '.[lora]'"
@@ -103,6 +104,7 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Keys are the plain Hugging Face names (``…q_proj.weight``); each adapted weight is
     ``W + ΔW`` (PEFT's own ``get_delta_weight``, so GPT-2's transposed layers are handled).
+    Under ``ppo_fsdp`` the tensors are gathered whole, so every rank must call it.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -111,14 +113,14 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             for adapter in module.active_adapters:
-                delta = module.get_delta_weight(adapter).detach()
+                delta = whole(module.get_delta_weight(adapter).detach())
                 deltas[f"{name}.weight"] = deltas.get(f"{name}.weight", 0) + delta
     state = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
             continue
         plain = key.replace(".base_layer.", ".")
-        tensor = value.detach()
+        tensor = whole(value.detach())  # FSDP shards gathered (every rank calls this)
         state[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
     return state
 

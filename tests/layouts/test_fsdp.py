@@ -5,7 +5,7 @@ step of the actor and of the critic (``tests/modules/dp_parity_worker.py``), and
 (``tests/ddp_fit_worker.py``) with a critic and critic-free, under another chunk budget than
 the single process's; an aborted step leaves nothing behind (bitwise); a fit killed with
 SIGKILL and resumed from its last checkpoint ends bitwise where the uninterrupted fit ends;
-the exported policy gives the trained weights' logits.
+the exported policy gives the trained weights' logits; LoRA adapters train like one process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ddp import WORKER, finish, finish_all, start
+from test_ddp import WORKER, finish_all, start
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -81,13 +81,16 @@ def fits(tmp_path_factory) -> Path:
         _sharded(root / "fsdp-grpo", "--critic-free"),
         _job(root / "single-grpo", "--devices=1", "--critic-free"),
         _sharded(root / "killed", f"--kill-at={ITERATIONS - 1}"),
+        _sharded(root / "fsdp-lora", "--lora"),
+        _job(root / "single-lora", "--devices=1", "--lora"),
     ]
     procs = [start(args, root) for args in jobs[:3]]
     finish_all(procs, jobs[:3])
     procs = [start(args, root) for args in jobs[3:]]
     finish_all(procs[:2], jobs[3:5])
     assert procs[2].wait(timeout=240) != 0  # SIGKILLed at the start of its last iteration
-    finish(start(_sharded(root / "killed", "--resume"), root), ["--resume"])
+    procs = [start(args, root) for args in [_sharded(root / "killed", "--resume"), *jobs[5:]]]
+    finish_all(procs, [["--resume"], *jobs[5:]])
     return root
 
 
@@ -95,10 +98,11 @@ def _state(run: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     return torch.load(run / f"state{rank}.pt")
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp-grpo", "fsdp-chunk"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-grpo", "fsdp-chunk", "fsdp-lora"])
 def test_sharded_fit_equals_one_process_under_another_chunk_budget(fits, name):
-    """``fsdp-chunk``: ``reduce_every_chunk`` (each chunk reduce-scatters its own gradients)."""
-    single = "single-grpo" if name == "fsdp-grpo" else "single"
+    """``fsdp-chunk``: ``reduce_every_chunk`` (each chunk reduce-scatters its own gradients);
+    ``fsdp-lora``: LoRA adapters on actor and critic, sharded with their base weights."""
+    single = {"fsdp-grpo": "single-grpo", "fsdp-lora": "single-lora"}.get(name, "single")
     want = _state(fits / single)
     ranks = [json.loads((fits / name / f"rank{r}.json").read_text()) for r in range(2)]
     one = json.loads((fits / single / "rank0.json").read_text())
@@ -137,16 +141,3 @@ def test_exported_policy_gives_the_trained_logits(fits):
             assert torch.equal(value, trained[key]), key  # the export holds the final weights
         logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-10, atol=1e-12)
-
-
-def test_lora_under_fsdp_is_refused_before_any_collective():
-    from _builders import tiny_lm
-
-    from lppo.layouts import FSDPLayout
-    from lppo.modules.lora import LoRA
-    from lppo.parallel import ParallelContext
-    from lppo.validation import SettingError
-
-    adapted = LoRA(r=4, alpha=8).wrap(tiny_lm())
-    with pytest.raises(SettingError, match=r"lora with trainer\.strategy=ppo_fsdp.*ppo_ddp"):
-        FSDPLayout().prepare(torch.nn.ModuleDict({"actor": adapted}), ParallelContext())
