@@ -86,11 +86,11 @@ def fits(tmp_path_factory) -> Path:
     ]
     procs = [start(args, root) for args in jobs[:3]]
     finish_all(procs, jobs[:3])
-    procs = [start(args, root) for args in jobs[3:]]
+    procs = [start(args, root) for args in jobs[3:6]]
     finish_all(procs[:2], jobs[3:5])
     assert procs[2].wait(timeout=240) != 0  # SIGKILLed at the start of its last iteration
-    procs = [start(args, root) for args in [_sharded(root / "killed", "--resume"), *jobs[5:]]]
-    finish_all(procs, [["--resume"], *jobs[5:]])
+    procs = [start(args, root) for args in [_sharded(root / "killed", "--resume"), *jobs[6:]]]
+    finish_all(procs, [["--resume"], *jobs[6:]])
     return root
 
 
