@@ -214,7 +214,7 @@ def with_tensor_parallel(ctx: ParallelContext) -> ParallelContext:
     tp = state.get_tensor_model_parallel_world_size()
     if tp == 1:
         return ctx
-    if ctx.layout.shards_weights:
+    if ctx.layout.shards_weights():
         raise SettingError(
             f"tensor_parallel_size={tp} with trainer.strategy sharding the weights "
             f"({type(ctx.layout).__name__}, ppo_fsdp): the FSDP layout is for Hugging Face "
