@@ -119,3 +119,10 @@ def instantiated_by_cli() -> bool:
     ``load_from_checkpoint`` rebuilds the whole system.
     """
     return _given_hyperparameters.get() is not None
+
+
+def plain_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a Lightning ``LightningOptimizer`` wrapper (else itself)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

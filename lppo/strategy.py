@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lppo.layouts import LAYOUTS
+from lppo.loop import plain_optimizer
 from lppo.parallel import (
     DEFAULT_TIMEOUT,
     DataParallelLayout,
@@ -130,9 +130,7 @@ class PPOStrategy(DDPStrategy):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's full state, from every rank (a collective)."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return self.layout.optimizer_state(optimizer)
+        return self.layout.optimizer_state(plain_optimizer(optimizer))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load each optimizer's full state as this rank's (sharded) optimizer holds it."""
