@@ -273,13 +273,17 @@ def test_no_data_parallel_sync_before_finish_and_exactly_one_in_it():
     assert calls == ["start"] * len(module.ddp.bucket_groups)
 
 
-def test_data_parallel_groups_that_differ_from_megatron_s_are_refused_at_setup():
-    """Megatron's data-parallel group must be lppo's; checked when the controller hands the
-    module its groups (setup), not at the first step after a rollout."""
+def test_groups_of_another_layout_or_size_are_refused_at_setup():
+    """A megatron module takes ppo_megatron's groups of megatron's sizes; checked when the
+    controller hands the module its groups (setup), not at the first step after a rollout."""
+    from lppo.layouts import MegatronLayout
     from lppo.parallel import ParallelContext, ProcessGroup
     from lppo.validation import SettingError
 
     module = make("actor")
+    assert isinstance(module.parallel.layout, MegatronLayout)  # megatron's own until handed
+    with pytest.raises(SettingError, match=r"trainer\.strategy=ppo_megatron"):
+        module.parallel = ParallelContext()  # ppo_ddp's layout: its reduce reads .grad
     with pytest.raises(SettingError, match=r"model\.actor\.init_args\.model\.init_args\.tensor"):
-        module.parallel = ParallelContext(data=ProcessGroup(size=2, rank=0))
-    module.parallel = ParallelContext()  # megatron's own data-parallel size: accepted
+        module.parallel = ParallelContext(ProcessGroup(size=2, rank=0), layout=MegatronLayout())
+    module.parallel = MegatronLayout().context(1, 0)  # megatron's own sizes: accepted
