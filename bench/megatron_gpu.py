@@ -37,6 +37,7 @@ import torch
 
 from lppo.chunks import iter_chunks
 from lppo.data_settings import DataSettings
+from lppo.layouts.megatron import tensor_parallel_grad_norm
 from lppo.planner import ChunkPlanner
 from lppo.replay import MemoryReplayStore
 from lppo.types import (
@@ -179,7 +180,8 @@ def megatron_step(module, batches: list[dict], role: str) -> float:
         micro_batch_size=batches[0]["ids"].shape[0],
         forward_only=False,
     )
-    grad_norm = module.global_grad_norm(module.trainable_parameters())  # lppo's measure
+    params = module.trainable_parameters()  # lppo's measure:
+    grad_norm = tensor_parallel_grad_norm(module.ddp.module, params, module.parallel.tensor)
     module.optimizer.inner.step()
     config.no_sync_func = config.finalize_model_grads_func = None
     return grad_norm

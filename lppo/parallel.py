@@ -41,6 +41,13 @@ def default_group_ready() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def default_world() -> tuple[int, int]:
+    """``(world_size, rank)`` of the default process group; ``(1, 0)`` without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(), dist.get_rank()
+
+
 @dataclass(frozen=True)
 class ProcessGroup:
     """One group of ranks and the collectives lppo runs over it.

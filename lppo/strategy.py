@@ -8,12 +8,13 @@ deadlocking at worst (ranks run different numbers of backward passes). This stra
 the processes and initializes the process group exactly like ``DDPStrategy`` (``gloo`` on CPU,
 ``nccl`` on CUDA unless ``process_group_backend`` says otherwise), broadcasts rank 0's module
 states once, and hands the module to its :class:`~lppo.layouts.ParallelLayout`
-(:mod:`lppo.layouts`), which leaves it unwrapped (``ppo_ddp``) or shards it (``ppo_fsdp``).
+(:mod:`lppo.layouts`), which leaves it unwrapped (``ppo_ddp``), shards it (``ppo_fsdp``) or
+takes megatron-core's data x tensor-parallel groups (``ppo_megatron``).
 
-Use it as ``--trainer.strategy ppo_ddp`` / ``ppo_fsdp`` (the names of :data:`lppo.layouts.LAYOUTS`,
-registered in Lightning's ``StrategyRegistry`` when :mod:`lppo.trainer` is imported),
-``--trainer.strategy lppo.strategy.PPOStrategy`` (with ``layout: class_path: ...``), or
-``PPOTrainer(strategy=PPOStrategy(), devices=2)``.
+Use it as ``--trainer.strategy ppo_ddp`` / ``ppo_fsdp`` / ``ppo_megatron`` (the names of
+:data:`lppo.layouts.LAYOUTS`, registered in Lightning's ``StrategyRegistry`` when
+:mod:`lppo.trainer` is imported), ``--trainer.strategy lppo.strategy.PPOStrategy`` (with
+``layout: class_path: ...``), or ``PPOTrainer(strategy=PPOStrategy(), devices=2)``.
 
 Data layout: each rank generates and rewards its own contiguous blocks of the iteration's
 prompts (``model.rollout.prompts_per_block``), puts those rows into its store (a rank-local
@@ -27,7 +28,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -38,14 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lppo.layouts import LAYOUTS
 from lppo.loop import plain_optimizer
-from lppo.parallel import (
-    DEFAULT_TIMEOUT,
-    DataParallelLayout,
-    ParallelContext,
-    ParallelLayout,
-    megatron_groups,
-)
-from lppo.validation import SettingError
+from lppo.parallel import DEFAULT_TIMEOUT, DataParallelLayout, ParallelContext, ParallelLayout
 
 #: Name of the data-parallel :class:`PPOStrategy` in Lightning's ``StrategyRegistry``.
 STRATEGY_NAME = "ppo_ddp"
@@ -76,8 +69,9 @@ class PPOStrategy(DDPStrategy):
         start_method: how processes are started (``popen`` re-runs the launching command, as
             ``strategy="ddp"`` does; ``spawn``/``fork`` as ``ddp_spawn``/``ddp_fork``).
         layout: how the modules are held over the ranks (:mod:`lppo.layouts`): full replicas
-            (:class:`~lppo.layouts.DataParallelLayout`, the default) or FSDP2 shards
-            (:class:`~lppo.layouts.FSDPLayout`).
+            (:class:`~lppo.layouts.DataParallelLayout`, the default), FSDP2 shards
+            (:class:`~lppo.layouts.FSDPLayout`) or megatron-core's groups
+            (:class:`~lppo.layouts.MegatronLayout`).
     """
 
     def __init__(
@@ -117,8 +111,8 @@ class PPOStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """Hand the module to the layout: rank 0's states everywhere, then wrap or shard.
 
-        Under tensor parallelism "everywhere" is the data-parallel group (each tensor-parallel
-        rank's shards come from data-parallel rank 0 of the same tensor rank).
+        Under megatron tensor parallelism "everywhere" is the data-parallel group (each
+        tensor-parallel rank's shards come from data-parallel rank 0 of the same tensor rank).
         """
         assert isinstance(self.model, LightningModule)
         self.layout.prepare(self.model, parallel_context(self))
@@ -181,52 +175,13 @@ def bind_to_loopback(main_address: str) -> None:
 def parallel_context(strategy: Any) -> ParallelContext:
     """The process groups of ``strategy``: the one place a run's data-parallel group is decided.
 
-    Built by the strategy's layout over the launched processes (single-process otherwise),
-    refined to megatron-core's data- and tensor-parallel groups when a built module runs
-    tensor parallelism (:func:`with_tensor_parallel`).
+    Built by the strategy's layout over the launched processes (megatron's data- and
+    tensor-parallel groups under ``ppo_megatron``); single-process for Lightning's own
+    single-device strategies.
     """
-    if isinstance(strategy, PPOStrategy) and strategy.world_size > 1:
-        ctx = strategy.layout.context(strategy.world_size, strategy.global_rank)
-        return with_tensor_parallel(ctx)
+    if isinstance(strategy, PPOStrategy):
+        return strategy.layout.context(strategy.world_size, strategy.global_rank)
     return ParallelContext()
-
-
-def with_tensor_parallel(ctx: ParallelContext) -> ParallelContext:
-    """``ctx`` with megatron-core's groups when a built module runs tensor parallelism.
-
-    The run's data-parallel group is the launched processes (the strategy's layout builds it)
-    unless a megatron module split its layers over ``tensor_parallel_size`` of them: then it
-    is megatron's data-parallel group (one rank per tensor-parallel replica), so rollout,
-    scoring, the planner, statistics and the setup broadcast span the replicas while the
-    tensor-parallel ranks of a replica see the same rows. Called after the modules are built
-    (their specs initialize megatron: :func:`~lppo.parallel.megatron_context`); a run without
-    megatron or with ``tensor_parallel_size: 1`` gets ``ctx`` itself.
-
-    Raises:
-        SettingError: tensor parallelism under a layout that shards the weights
-            (``trainer.strategy=ppo_fsdp``), or megatron's groups do not span ``ctx``'s ranks.
-    """
-    state = sys.modules.get("megatron.core.parallel_state")  # never imported: no megatron
-    if state is None or not state.model_parallel_is_initialized():
-        return ctx
-    tp = state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return ctx
-    if ctx.layout.shards_weights():
-        raise SettingError(
-            f"tensor_parallel_size={tp} with trainer.strategy sharding the weights "
-            f"({type(ctx.layout).__name__}, ppo_fsdp): the FSDP layout is for Hugging Face "
-            "models; use trainer.strategy=ppo_ddp with megatron tensor parallelism, or "
-            "tensor_parallel_size: 1."
-        )
-    megatron = megatron_groups()
-    if megatron.data.size * megatron.tensor.size != ctx.data.size:
-        raise SettingError(
-            f"megatron-core's groups ({megatron.data.size} data- x {megatron.tensor.size} "
-            f"tensor-parallel ranks) do not span the run's {ctx.data.size} processes "
-            "(trainer.devices x trainer.num_nodes); use trainer.strategy=ppo_ddp."
-        )
-    return ParallelContext(data=megatron.data, tensor=megatron.tensor, layout=ctx.layout)
 
 
 def check_strategy(strategy: Any, world_size: int) -> None:

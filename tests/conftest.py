@@ -15,6 +15,14 @@ settings.register_profile(
 settings.load_profile("ci")
 
 
+@pytest.fixture(autouse=True)
+def _master_port(monkeypatch):
+    """Each test's launched fits rendezvous on a port of their own (see ``tests/_ports.py``)."""
+    from _ports import next_port
+
+    monkeypatch.setenv("MASTER_PORT", str(next_port()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _transfer_queue_session():
     """Stop the session's Ray + TransferQueue (started by the first test that needs them)."""

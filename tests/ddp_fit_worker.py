@@ -2,13 +2,14 @@
 
 Run as ``python ddp_fit_worker.py --devices N --out DIR [--dtype float64] [--num-nodes M]
 [--tq-temp-dir DIR] [--old-values critic] [--max-staleness S] [--dynamic-sampling-rounds N]
-[--lora] [--multi-turn] [--layout fsdp|fsdp_chunk] [--critic-free] [--max-tokens-per-chunk T]
-[--iterations I] [--export] [--kill-at K] [--resume]``
+[--lora] [--multi-turn] [--layout fsdp|fsdp_chunk] [--param-dtype bfloat16] [--cpu-offload]
+[--critic-free] [--max-tokens-per-chunk T] [--iterations I] [--export] [--kill-at K] [--resume]``
 (with ``N > 0`` the task's reward is pass/fail,
 :class:`_builders.ThresholdCopyTask`, so groups are dropped and refilled; ``--lora`` trains LoRA
 adapters on actor and critic; ``--multi-turn`` rolls out two-turn hidden-digit episodes with a
 per-turn reward; ``--layout fsdp`` shards the models with FSDP2 (``ppo_fsdp``; ``fsdp_chunk``:
-reducing every chunk's gradients); ``--critic-free``
+reducing every chunk's gradients; ``--param-dtype`` its mixed-precision compute dtype,
+``--cpu-offload`` its CPU offload of the shards); ``--critic-free``
 trains the actor alone with GRPO advantages; ``--export`` writes the final policy to ``DIR/hf``
 (:class:`~lppo.callbacks.HFExport`); ``--kill-at K`` SIGKILLs every rank when iteration K (0-based)
 has rolled out, after the checkpoint of iteration K - 1; ``--resume`` continues from
@@ -23,7 +24,9 @@ instead); with ``M > 1`` an external launcher (torchrun, SLURM's srun) starts ev
 prompts in blocks of one over two ranks: rank 0 generates three, rank 1 two (uneven rows), and
 overlong responses are masked (uneven valid rows, counted against the drop budget). Every rank
 writes ``DIR/rank<R>.json`` (per iteration the prompts of the rows it put; per step the chunks
-it trained and the token ids of their rows; global step; rows left in its store) and
+it trained and the token ids of their rows; global step; rows left in its store; the dtypes
+of the stored parameter shards, of the optimizer state and of the actor's weights during its
+training forwards) and
 ``DIR/state<R>.pt`` (the final actor + critic parameters); rank 0's logger writes
 ``DIR/run/version_0/metrics.csv``. Ranks > 0 perturb their freshly built models, so the parity
 also checks that the strategy starts every rank from rank 0's parameters.
@@ -49,7 +52,7 @@ from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.estimators import GRPO
 from lppo.hooks import IterationContext, PPOCallback
 from lppo.layouts import DataParallelLayout, FSDPLayout
-from lppo.layouts.fsdp import is_sharded
+from lppo.layouts.fsdp import _param_groups, is_sharded, roots_of
 from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
@@ -103,6 +106,18 @@ class RecordPlans(PPOCallback):
         self.out = out
         self.steps: list[dict[str, Any]] = []
         self.rollouts: list[dict[str, Any]] = []
+        #: dtypes of the actor's first projection weight seen by its forwards with grad on.
+        self.forward_dtypes: set[str] = set()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # The weight as the forward sees it: FSDP's gathered (mixed-precision) parameter.
+        linear = next(m for m in pl_module.actor.model.modules() if isinstance(m, torch.nn.Linear))
+
+        def record(module: torch.nn.Module, _: Any) -> None:
+            if torch.is_grad_enabled():
+                self.forward_dtypes.add(str(module.weight.dtype))
+
+        linear.register_forward_pre_hook(record)
 
     def on_rollout_end(self, ctx: IterationContext) -> None:
         prompts = ctx.store.read(ctx.row_ids, ["prompt_index"])["prompt_index"]
@@ -146,11 +161,29 @@ class RecordPlans(PPOCallback):
             "steps": self.steps,
             "rollouts": self.rollouts,
             "tq": tq_state(store) if store.shared else None,
+            "forward_dtypes": sorted(self.forward_dtypes),
+            "offloaded": offloaded(pl_module),
+            "parameter_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
+            "optimizer_dtypes": sorted(
+                {
+                    str(value.dtype)
+                    for optimizer in trainer.optimizers
+                    for entry in optimizer.state.values()
+                    for value in entry.values()
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                }
+            ),
         }
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
         full = trainer.strategy.lightning_module_state_dict()  # gathered under ppo_fsdp
         state = {k: v.detach().cpu().clone() for k, v in full.items()}
         torch.save(state, self.out / f"state{rank}.pt")
+
+
+def offloaded(module: torch.nn.Module) -> bool:
+    """Whether FSDP keeps any of ``module``'s shards offloaded to CPU (``cpu_offload``)."""
+    groups = [g for root in roots_of(module) for g in _param_groups(root)]
+    return any(p.offload_to_cpu for g in groups for p in g.fsdp_params)
 
 
 def tq_state(store: Any) -> dict[str, Any]:
@@ -197,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on actor and critic")
     parser.add_argument("--multi-turn", action="store_true", help="hidden-digit episodes")
     parser.add_argument("--layout", choices=["ddp", "fsdp", "fsdp_chunk"], default="ddp")
+    parser.add_argument("--param-dtype", default=None, help="FSDPLayout.param_dtype")
+    parser.add_argument("--cpu-offload", action="store_true", help="FSDPLayout.cpu_offload")
     parser.add_argument("--critic-free", action="store_true", help="GRPO, no critic")
     parser.add_argument("--max-tokens-per-chunk", type=int, default=MAX_TOKENS_PER_CHUNK)
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
@@ -237,7 +272,11 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(KillAt(args.kill_at))
     layout: Any = DataParallelLayout()
     if args.layout != "ddp":
-        layout = FSDPLayout(reduce_every_chunk=args.layout == "fsdp_chunk")
+        layout = FSDPLayout(
+            param_dtype=args.param_dtype,
+            cpu_offload=args.cpu_offload,
+            reduce_every_chunk=args.layout == "fsdp_chunk",
+        )
     strategy: Any = PPOStrategy(layout=layout) if args.devices * args.num_nodes > 1 else "auto"
     trainer = PPOTrainer(
         max_epochs=args.iterations + args.max_staleness,

@@ -245,6 +245,18 @@ def test_megatron_config_runs_with_stale_rollouts(tmp_path):
     assert lags == ["0.0", "1.0", "1.0"]
 
 
+def test_megatron_config_runs_with_a_kl_reference(tmp_path):
+    """megatron-core actor with KL in the reward and in the loss: its reference is a frozen
+    megatron twin (MegatronActor.reference_policy), and the KL to it grows from 0."""
+    kl = ("--model.ppo.kl_coef", "0.05", "--model.actor.init_args.kl_loss_coef", "0.01")
+    summary = fit_megatron(tmp_path, "--trainer.max_epochs", "2", *kl)
+    assert summary["iterations"] == 2
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        values = [float(r["actor/kl_loss"]) for r in csv.DictReader(f) if r["actor/kl_loss"]]
+    # first step: the actor is the reference (round-off from the scoring forward only)
+    assert abs(values[0]) < 1e-12 and max(values) > 1e-3 and min(values) > -1e-12, values
+
+
 def test_megatron_config_resumes(tmp_path):
     """A megatron run's checkpoint loads back: 2 iterations, then resumed for a third."""
     fit_megatron(tmp_path, "--trainer.max_epochs", "2")

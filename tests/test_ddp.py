@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ports import next_port
 from lightning.pytorch.strategies import DDPStrategy
 
 from lppo.data_settings import DataSettings
@@ -69,6 +70,7 @@ def _env() -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
     }
+    env["MASTER_PORT"] = str(next_port())  # a fresh one per launch: see tests/_ports.py
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _ports import next_port
 from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, _env, finish, finish_all
 
 from lppo.strategy import SOCKET_IFNAME_VARS, bind_to_loopback, loopback_interface
@@ -31,12 +31,6 @@ def is_loopback(ip: str) -> bool:
     address = ipaddress.ip_address(ip)
     mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node_env(**extra: str) -> dict[str, str]:
@@ -96,7 +90,7 @@ def test_two_nodes_through_torchrun_and_slurm_train_like_one_process(tmp_path):
     outs = {name: tmp_path / name for name in ("single", "torchrun", "slurm")}
     for out in outs.values():
         out.mkdir()
-    tr_port, slurm_port = free_port(), free_port()
+    tr_port, slurm_port = next_port(), next_port()
     worker = [str(WORKER), "--devices=1", "--num-nodes=2", f"--out={outs['slurm']}"]
     jobs = [
         ([str(WORKER), "--devices=1", f"--out={outs['single']}"], node_env()),

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from lppo.layouts.fsdp import FSDPLayout
+from lppo.layouts.megatron import MegatronLayout
 from lppo.parallel import DataParallelLayout, ParallelLayout
 
 #: ``--trainer.strategy`` name → (layout class, description); each builds a
@@ -16,6 +17,7 @@ from lppo.parallel import DataParallelLayout, ParallelLayout
 LAYOUTS: dict[str, tuple[type[ParallelLayout], str]] = {
     "ppo_ddp": (DataParallelLayout, "lppo data parallelism: full replicas, no DDP wrapper"),
     "ppo_fsdp": (FSDPLayout, "lppo FSDP2: parameters, gradients and optimizer state sharded"),
+    "ppo_megatron": (MegatronLayout, "lppo megatron-core: data x tensor parallelism, its DDP"),
 }
 
-__all__ = ["LAYOUTS", "DataParallelLayout", "FSDPLayout", "ParallelLayout"]
+__all__ = ["LAYOUTS", "DataParallelLayout", "FSDPLayout", "MegatronLayout", "ParallelLayout"]

@@ -52,7 +52,9 @@ class FSDPLayout:
 
     Args:
         param_dtype: compute dtype of the gathered parameters (``bfloat16``: mixed precision;
-            ``None``: the model's own dtype).
+            ``None``: the model's own dtype). The sharded parameters, their gradients and the
+            optimizer state stay in the model's own dtype, and so do each model's outputs
+            (cast back at the model's root, for the unsharded value head and the losses).
         reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
         reshard_after_forward: free each block's gathered parameters after its forward (less
             memory, one more all-gather in backward).
@@ -107,7 +109,10 @@ class FSDPLayout:
             for module in model.modules():
                 if type(module).__name__ in blocks:
                     fully_shard(module, reshard_after_forward=self.reshard_after_forward, **options)
-            fully_shard(model, **options)
+            # The model's outputs in its own dtype: what lppo does with them (a critic's value
+            # head, which stays unsharded in that dtype; log-softmax) never sees param_dtype.
+            own = next(model.parameters()).dtype
+            fully_shard(model, **{**options, "mp_policy": self._precision(output=own)})
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     # A sum (not FSDP's mean): chunk losses are shares of the step's loss.
@@ -117,12 +122,14 @@ class FSDPLayout:
             model.set_requires_gradient_sync(self.reduce_every_chunk)
             setattr(model, ROOT_MARK, True)
 
-    def _precision(self) -> Any:
+    def _precision(self, output: torch.dtype | None = None) -> Any:
+        """FSDP's mixed-precision policy; ``output``: the dtype outputs are cast to (or not)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         param = _DTYPES[self.param_dtype] if self.param_dtype else None
         reduce = _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
-        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+        cast = output if param is not None and param != output else None
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=cast)
 
     # --------------------------------------------------------------- the step
     def reduce_gradients(

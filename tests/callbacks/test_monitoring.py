@@ -338,6 +338,9 @@ def test_reward_curve_and_summary(tmp_path, results, capsys):
     assert content["reward_first_mean"] == pytest.approx(sum(rewards) / 3)
     assert content["reward_last_mean"] == pytest.approx(sum(rewards) / 3)
     assert content["wall_seconds"] >= 0
+    generated = sum(r.tokens["rollout"] for r in results)  # kept across the resume
+    assert generated > 0 and content["response_tokens"] == generated
+    assert content["tokens_per_second"] == pytest.approx(generated / content["wall_seconds"])
     assert content["reward_curve"] == str(png)
     assert content["metrics_csv"] == os.path.join(trainer2.loggers[0].log_dir, "metrics.csv")
     assert "checkpoints" in content and "dirpath" in content["checkpoints"]
@@ -345,6 +348,7 @@ def test_reward_curve_and_summary(tmp_path, results, capsys):
     out = capsys.readouterr().out
     assert "lppo run summary" in out
     assert "iterations      : 3" in out
+    assert f"tokens          : {generated} generated, " in out
     assert "reward_curve.png" in out
     assert "metrics.csv" in out
 

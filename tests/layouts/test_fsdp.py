@@ -6,17 +6,20 @@ step of the actor and of the critic (``tests/modules/dp_parity_worker.py``), and
 the single process's; an aborted step leaves nothing behind (bitwise); a fit killed with
 SIGKILL and resumed from its last checkpoint ends bitwise where the uninterrupted fit ends;
 the exported policy gives the trained weights' logits; LoRA adapters train like one process.
+The layout's options: bf16 mixed precision computes in bf16 and keeps float32 shards and
+optimizer state; CPU offload gives bitwise the fit without it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from test_ddp import WORKER, finish_all, start
+from test_ddp import WORKER, finish_all, read_metrics, start
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -141,3 +144,63 @@ def test_exported_policy_gives_the_trained_logits(fits):
             assert torch.equal(value, trained[key]), key  # the export holds the final weights
         logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the layout's options
+#: Adam moves a weight by about lr = 3e-3 per step: fits from the same start that differ only
+#: in rounding stay within a few steps' moves of each other.
+BF16_MAX_DRIFT = 2e-2
+
+
+@pytest.fixture(scope="module")
+def option_fits(tmp_path_factory) -> Path:
+    """One-iteration float32 sharded fits: plain, bf16 mixed precision, CPU offload."""
+    root = tmp_path_factory.mktemp("fsdp-options")
+    options = {"f32": (), "bf16": ("--param-dtype=bfloat16",), "offload": ("--cpu-offload",)}
+    base = [str(WORKER), "--devices=2", "--layout=fsdp", "--iterations=1"]
+    jobs = [[*base, f"--out={root / name}", *extra] for name, extra in options.items()]
+    for name in options:
+        (root / name).mkdir()
+    finish_all([start(args, root) for args in jobs], jobs)
+    return root
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _losses(run: Path) -> list[float]:
+    rows = read_metrics(run / "run" / "version_0" / "metrics.csv")
+    return [float(r[k]) for r in rows for k in ("actor/loss", "critic/loss") if r.get(k)]
+
+
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_state(option_fits):
+    """Forwards see bf16 weights; shards and Adam state stay float32; results drift a little."""
+    for record in _records(option_fits / "bf16"):
+        assert record["global_step"] == 2 and record["rows_left"] == 0
+        assert record["forward_dtypes"] == ["torch.bfloat16"]
+        assert record["parameter_dtypes"] == record["optimizer_dtypes"] == ["torch.float32"]
+    for record in _records(option_fits / "f32"):
+        assert record["forward_dtypes"] == ["torch.float32"]
+    losses, want = _losses(option_fits / "bf16"), _losses(option_fits / "f32")
+    assert len(losses) == len(want) > 0 and all(math.isfinite(x) for x in losses)
+    assert losses != want  # bf16 rounding reached the losses
+    assert losses == pytest.approx(want, rel=1e-2, abs=1e-3)
+    got, ref = _state(option_fits / "bf16"), _state(option_fits / "f32")
+    assert got.keys() == ref.keys()
+    drift = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert 0 < drift <= BF16_MAX_DRIFT
+    assert all(got[k].dtype == torch.float32 for k in got)
+
+
+def test_cpu_offload_fit_equals_the_fit_without_it(option_fits):
+    """On CPU, offloading the shards moves nothing: the fit is bitwise the plain one."""
+    for record in _records(option_fits / "offload"):
+        assert record["offloaded"] and record["global_step"] == 2
+    assert not any(record["offloaded"] for record in _records(option_fits / "f32"))
+    assert _losses(option_fits / "offload") == _losses(option_fits / "f32")
+    for rank in range(2):
+        got, want = _state(option_fits / "offload", rank), _state(option_fits / "f32", rank)
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -45,14 +46,47 @@ class MegatronActor(MegatronLifecycle, ActorModule):
         self._rollout: list[nn.Module] = []  # a list: not a submodule, not in state_dict
         self._rollout_version = -1
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> MegatronActor:
-        # PPOSystem copies the actor as the KL reference; megatron's DDP and process groups
-        # do not copy. Say so at setup instead of failing deep inside copy.
-        raise TypeError(
-            "MegatronActor cannot be copied as a reference policy: set model.ppo.kl_coef: 0 "
-            "and model.actor.init_args.kl_loss_coef: 0 with the megatron backend (a megatron "
-            "reference model is not implemented)."
+    def reference_policy(self) -> nn.Module:
+        """The frozen KL reference: a second megatron model of this spec with the actor's weights.
+
+        megatron's DDP wrapper and process groups do not copy, so the reference is a copy of
+        this actor without them whose model is built anew from a fresh spec (sharded over the
+        same tensor-parallel group), then loaded with the actor's current weights.
+        """
+        spec: MegatronGPT = self.spec  # type: ignore[assignment]
+        if self.model is None or spec.hf_config is None:
+            raise RuntimeError("actor model not built: call configure_model() first.")
+        fresh = MegatronGPT(
+            spec.hf, spec.tensor_parallel_size, spec.distributed_optimizer, spec.bucket_size
         )
+        fresh.key = spec.key
+        held = (self.model, self.optimizer, self.scheduler, self.__dict__["_lppo_parallel"])
+        memo: dict[int, Any] = {id(obj): None for obj in held if obj is not None}
+        memo.update({id(spec): fresh, id(self._rollout): []})
+        reference = copy.deepcopy(self, memo)
+        cfg = spec.hf_config
+        reference.configure_model(
+            cfg.vocab_size, cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id
+        )
+        assert reference.model is not None
+        reference.model.load_state_dict(self.model.state_dict())
+        reference.requires_grad_(False)
+        reference.eval()
+        return reference
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MegatronActor:
+        # megatron's DDP and process groups do not copy: only reference_policy's copy, which
+        # leaves the model out, may copy the rest; anything else is told so.
+        if id(self.model) not in memo:
+            raise TypeError(
+                "MegatronActor cannot be deep-copied (megatron's DDP and process groups do "
+                "not copy); use reference_policy() for a frozen copy."
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            copied.__dict__[key] = copy.deepcopy(value, memo)
+        return copied
 
     @property
     def ddp(self) -> Any:

@@ -1,10 +1,11 @@
 """The step lifecycle over megatron-core: its gradient buffer, its DDP reduce, its optimizer.
 
 Chunks accumulate into the DDP wrapper's contiguous gradient buffer (``param.main_grad``)
-under ``no_sync``; :meth:`MegatronLifecycle._apply_gradients` runs megatron's
-``finalize_model_grads`` exactly once per ``finish`` (the only data-parallel reduce of the step,
-a sum since lppo's chunk losses are exact shares of the step loss), then the global grad norm
-(tensor-parallel shards counted once), clipping and one optimizer step.
+under ``no_sync``; at ``finish`` the run's layout (:class:`~lppo.layouts.MegatronLayout`,
+``trainer.strategy=ppo_megatron``) runs megatron's ``finalize_model_grads`` exactly once (the
+only data-parallel reduce of the step, a sum since lppo's chunk losses are exact shares of the
+step loss), takes the global grad norm (tensor-parallel shards counted once) and clips; then
+one optimizer step.
 
 Optimizer: with CUDA, megatron's distributed optimizer (``get_megatron_optimizer``, state
 sharded over data-parallel ranks, float32 main weights for bf16 / fp16). megatron-core's
@@ -14,16 +15,14 @@ parameters, reading the gradient buffer (``param.grad`` is pointed at ``param.ma
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from torch import nn
 
+from lppo.layouts.megatron import MegatronLayout
 from lppo.modules.lifecycle import ChunkResult
-from lppo.modules.megatron.convert import split_dim
 from lppo.modules.megatron.full_state import install_optimizer_hooks
-from lppo.parallel import ParallelContext
+from lppo.parallel import ParallelContext, default_world
 from lppo.types import Chunk
 from lppo.validation import SettingError
 
@@ -102,31 +101,41 @@ class MegatronLifecycle:
     # --------------------------------------------------------- parallel groups
     @property
     def parallel(self) -> ParallelContext:
-        """The controller's data-parallel group beside megatron's tensor-parallel group."""
-        ctx: ParallelContext = self.__dict__["_lppo_parallel"]
-        if self.spec.context.tensor is ctx.tensor:
-            return ctx
-        return ParallelContext(data=ctx.data, tensor=self.spec.context.tensor, layout=ctx.layout)
+        """The groups a controller handed over, or megatron-core's own (``ppo_megatron``'s)."""
+        ctx: ParallelContext | None = self.__dict__["_lppo_parallel"]
+        if ctx is None:
+            return MegatronLayout().context(*default_world())
+        return ctx
 
     @parallel.setter
     def parallel(self, ctx: ParallelContext) -> None:
-        """Take the controller's groups (at setup); data-parallel sizes must agree.
+        """Take the controller's groups (at setup): ``ppo_megatron``'s, of megatron's sizes.
 
-        ``lppo fit`` hands over megatron's own data-parallel group under tensor parallelism
-        (:func:`lppo.strategy.parallel_context`); any other group of another size is refused.
+        The first assignment is :class:`~lppo.modules.PPOModule`'s placeholder, made before
+        the model exists; until a controller hands groups over, the module uses megatron's.
 
         Raises:
-            SettingError: lppo's data-parallel ranks are not megatron-core's, naming the keys.
+            SettingError: another layout (megatron's DDP reduces this module's gradients), or
+                groups of other sizes than megatron-core's, naming the keys.
         """
-        built = getattr(getattr(self, "spec", None), "context", None)  # None before the build
-        mine, megatron = ctx.data.size, built.data.size if built is not None else ctx.data.size
-        if mine != megatron:
+        if "_lppo_parallel" not in self.__dict__:
+            self.__dict__["_lppo_parallel"] = None
+            return
+        if not isinstance(ctx.layout, MegatronLayout):
+            raise SettingError(
+                f"model.{self.role} is a megatron-core module ({type(self).__name__}) but "
+                f"trainer.strategy lays the run out with {type(ctx.layout).__name__}; set "
+                "trainer.strategy=ppo_megatron (megatron's data x tensor-parallel groups and "
+                "its gradient reduce), with any trainer.devices."
+            )
+        own = MegatronLayout().context(*default_world())
+        if (ctx.data.size, ctx.tensor.size) != (own.data.size, own.tensor.size):
             raise SettingError(
                 f"{self.spec.key}={self.spec.tensor_parallel_size}: lppo trains over "
-                f"{mine} data-parallel rank(s) but megatron-core's data-parallel group has "
-                f"{megatron} (trainer.devices x trainer.num_nodes / tensor_parallel_size). Take "
-                "the groups from lppo.strategy.parallel_context (as lppo fit does), or set "
-                "tensor_parallel_size: 1."
+                f"{ctx.data.size} data- x {ctx.tensor.size} tensor-parallel rank(s) but "
+                f"megatron-core's groups are {own.data.size} x {own.tensor.size} "
+                "(trainer.devices x trainer.num_nodes / tensor_parallel_size). Take the "
+                "groups from lppo.strategy.parallel_context (as lppo fit does)."
             )
         self.__dict__["_lppo_parallel"] = ctx
 
@@ -139,8 +148,10 @@ class MegatronLifecycle:
         if self.optimizer is not None or not self._use_megatron_optimizer():
             built = self.optimizer is not None
             optimizer = super().configure_optimizer()  # type: ignore[misc]
-            if not built and self.parallel.tensor.size > 1:  # checkpoints hold whole moments
-                install_optimizer_hooks(optimizer, self.ddp.module, self.parallel.tensor)
+            if not built:
+                optimizer.register_step_pre_hook(_grads_from_buffer)
+                if self.parallel.tensor.size > 1:  # checkpoints hold whole moments
+                    install_optimizer_hooks(optimizer, self.ddp.module, self.parallel.tensor)
             return optimizer
         if self._optimizer_factory or self._scheduler_factory or self.warmup_steps:
             raise ValueError(
@@ -179,39 +190,11 @@ class MegatronLifecycle:
         for p in self.parameters():  # type: ignore[attr-defined]
             p.grad = None
 
-    def _apply_gradients(self) -> tuple[float, bool]:
-        from megatron.core.distributed import finalize_model_grads
 
-        # The step's one data-parallel reduce. An all-reduce even for the distributed
-        # optimizer (which would reduce-scatter): lppo checks and clips the norm of the whole
-        # gradient, so every rank needs all of it.
-        finalize_model_grads([self.ddp], force_all_reduce=True)
-        params = self.trainable_parameters()  # type: ignore[attr-defined]
-        grad_norm = self.global_grad_norm(params)
-        self.on_before_step(grad_norm)  # type: ignore[attr-defined]
-        stepped = math.isfinite(grad_norm)
-        if stepped:
-            if self.max_grad_norm is not None:  # as torch's clip_grads_with_norm_, in float64
-                coef = min(self.max_grad_norm / (grad_norm + 1e-6), 1.0)
-                for p in params:
-                    p.main_grad.mul_(coef)
-            if not self._use_megatron_optimizer():  # torch AdamW reads .grad
-                for p in params:
-                    p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p)
-            self.optimizer.step()
-        return grad_norm, stepped
-
-    def global_grad_norm(self, params: list[nn.Parameter]) -> float:
-        """L2 norm of the whole model's gradient: shards summed over the tensor group once.
-
-        Split tensors (:func:`~lppo.modules.megatron.convert.split_dim`) count on every rank;
-        replicated ones (norms, the value head) on tensor rank 0 only. (megatron's own
-        ``tensor_model_parallel`` flags are not set when its initialization is skipped.)
-        """
-        tensor = self.parallel.tensor
-        wanted = {id(p) for p in params}
-        total = torch.zeros((), dtype=torch.float64, device=params[0].device)
-        for name, p in self.ddp.module.named_parameters():
-            if id(p) in wanted and (tensor.rank == 0 or split_dim(name) is not None):
-                total += p.main_grad.to(torch.float64).square().sum()
-        return math.sqrt(float(tensor.all_reduce(total)))
+def _grads_from_buffer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    """Step pre-hook of torch's optimizer: ``param.grad`` := megatron's reduced, clipped buffer."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                p.grad = main if main.dtype == p.dtype else main.to(p)

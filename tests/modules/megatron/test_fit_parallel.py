@@ -181,7 +181,7 @@ def test_processes_not_divisible_by_tensor_parallel_size_fail_at_setup(tmp_path)
 
 @pytest.mark.distributed
 def test_tensor_parallel_with_fsdp_fails_at_setup(tmp_path):
-    """ppo_fsdp shards Hugging Face models: with tensor_parallel_size 2 it is refused."""
+    """ppo_fsdp shards Hugging Face models: megatron modules under it are refused."""
     rc, out = finish(
         start(
             tmp_path / "fsdp",
@@ -192,6 +192,6 @@ def test_tensor_parallel_with_fsdp_fails_at_setup(tmp_path):
         )
     )
     assert rc != 0
-    assert "SettingError: tensor_parallel_size=2 with trainer.strategy" in out, out[-6000:]
-    assert "trainer.strategy=ppo_ddp" in out
+    assert "is a megatron-core module (Megatron" in out, out[-6000:]
+    assert "FSDPLayout; set trainer.strategy=ppo_megatron" in out
     assert not (tmp_path / "fsdp" / "rank0.json").exists()  # nothing trained

@@ -244,9 +244,26 @@ def test_policy_is_a_hugging_face_llama_refreshed_after_steps():
     )
 
 
-def test_a_reference_copy_is_refused_with_the_fix():
-    with pytest.raises(TypeError, match="kl_coef: 0"):
-        copy.deepcopy(make("actor"))
+def test_reference_is_a_frozen_megatron_twin_holding_the_actor_s_weights():
+    """reference_policy(): its own megatron model (no shared tensor), the actor's weights and
+    log-probs, frozen: the actor's steps leave it as it was. A plain deep copy is refused."""
+    store, epoch = plan_for(6, 3, budget_slack=2)
+    chunk = next(iter_chunks(store, epoch.steps[0], NAMES["actor"]))
+    actor = make("actor", lr=1e-2)
+    run_step(actor, store, epoch.steps[0], "actor")  # weights other than the spec's
+    reference = actor.reference_policy()
+    assert type(reference.ddp).__name__ == "DistributedDataParallel"
+    assert reference.spec is not actor.spec and reference.optimizer is None
+    ours = {id(t) for t in [*actor.parameters(), *actor.buffers()]}
+    assert not ours & {id(t) for t in [*reference.parameters(), *reference.buffers()]}
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    assert torch.equal(reference.score(chunk), actor.score(chunk))
+    frozen = reference.score(chunk)
+    run_step(actor, store, epoch.steps[0], "actor")
+    assert not torch.equal(actor.score(chunk), frozen)
+    assert torch.equal(reference.score(chunk), frozen)
+    with pytest.raises(TypeError, match="reference_policy"):
+        copy.deepcopy(actor)
 
 
 def test_no_data_parallel_sync_before_finish_and_exactly_one_in_it():
@@ -273,13 +290,17 @@ def test_no_data_parallel_sync_before_finish_and_exactly_one_in_it():
     assert calls == ["start"] * len(module.ddp.bucket_groups)
 
 
-def test_data_parallel_groups_that_differ_from_megatron_s_are_refused_at_setup():
-    """Megatron's data-parallel group must be lppo's; checked when the controller hands the
-    module its groups (setup), not at the first step after a rollout."""
+def test_groups_of_another_layout_or_size_are_refused_at_setup():
+    """A megatron module takes ppo_megatron's groups of megatron's sizes; checked when the
+    controller hands the module its groups (setup), not at the first step after a rollout."""
+    from lppo.layouts import MegatronLayout
     from lppo.parallel import ParallelContext, ProcessGroup
     from lppo.validation import SettingError
 
     module = make("actor")
+    assert isinstance(module.parallel.layout, MegatronLayout)  # megatron's own until handed
+    with pytest.raises(SettingError, match=r"trainer\.strategy=ppo_megatron"):
+        module.parallel = ParallelContext()  # ppo_ddp's layout: its reduce reads .grad
     with pytest.raises(SettingError, match=r"model\.actor\.init_args\.model\.init_args\.tensor"):
-        module.parallel = ParallelContext(data=ProcessGroup(size=2, rank=0))
-    module.parallel = ParallelContext()  # megatron's own data-parallel size: accepted
+        module.parallel = ParallelContext(ProcessGroup(size=2, rank=0), layout=MegatronLayout())
+    module.parallel = MegatronLayout().context(1, 0)  # megatron's own sizes: accepted

@@ -32,7 +32,6 @@ from _mbuilders import make  # noqa: E402
 from lppo.chunks import iter_chunks, read_chunk  # noqa: E402
 from lppo.data_settings import DataSettings  # noqa: E402
 from lppo.modules.megatron.convert import unshard  # noqa: E402
-from lppo.parallel import ParallelContext  # noqa: E402
 from lppo.planner import ChunkPlanner  # noqa: E402
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES  # noqa: E402
 
@@ -54,8 +53,6 @@ def run(world_size: int, rank: int, layout: str) -> dict:
         if role == "actor":
             kwargs["entropy_coef"] = 0.01
         module = make(role, tp=world_size // dp, **kwargs)
-        if dp > 1:
-            module.parallel = ParallelContext.from_default_group()
         tensor = module.parallel.tensor
         assert tensor.size == world_size // dp and module.parallel.data.size == dp
         chunk = read_chunk(store, list(range(8)), NAMES[role])
