@@ -356,6 +356,36 @@ def test_vllm_config_runs(tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
+@pytest.mark.distributed
+def test_vllm_config_runs_under_fsdp(tmp_path):
+    """``configs/vllm.yaml`` on 2 ``ppo_fsdp`` processes, 2 iterations: each rank's vLLM
+    engine is synced from the sharded actor (every tensor gathered whole), so the engine's
+    log-probs of the second rollout, after an actor phase, still equal the trainer's."""
+    from test_ddp import read_metrics, run_script
+
+    out = run_script(
+        [
+            "-m",
+            "lppo.cli",
+            "fit",
+            f"--config={ROOT / 'configs' / 'vllm.yaml'}",
+            "--trainer.strategy=ppo_fsdp",
+            "--trainer.devices=2",
+            "--trainer.max_epochs=2",
+            "--model.rollout.prompts_per_iteration=8",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Starting with 2 processes" in out
+    assert "strategy: ppo_fsdp" in (tmp_path / "version_0" / "config.yaml").read_text()
+    rows = read_metrics(tmp_path / "version_0" / "metrics.csv")
+    kl = [float(r["rollout/mismatch_kl"]) for r in rows if r.get("rollout/mismatch_kl")]
+    assert len(kl) == 2
+    assert all(0 <= x < 1e-6 for x in kl), kl
+
+
+@pytest.mark.vllm
 def test_vllm_config_runs_with_stale_rollouts(tmp_path, monkeypatch):
     """``configs/vllm.yaml`` with ``max_staleness 1``: vLLM runs in the background rollout
     process, weights published to it after every actor phase; the first rollout comes from the
