@@ -261,11 +261,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-#: The settings ``bench/layouts.py`` forwards to every variant's worker (``add_run_args``).
-RUN_ARGS = (
-    "hidden", "layers", "heads", "ffn", "lora_rank", "prompts", "samples", "new_tokens",
-    "iterations",
-)  # fmt: skip
+def run_args(args: argparse.Namespace) -> list[str]:
+    """``args``' values of every :func:`add_run_args` setting, as this script's flags."""
+    p = argparse.ArgumentParser()
+    add_run_args(p)
+    keys = vars(p.parse_args([]))
+    return [x for key in keys for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

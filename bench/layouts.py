@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _layout_worker import RUN_ARGS, VARIANTS, add_run_args
+from _layout_worker import VARIANTS, add_run_args, run_args
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_layout_worker.py"
@@ -55,8 +55,7 @@ def run_variant(variant: str, args: argparse.Namespace, root: Path) -> dict[str,
     """Run one variant's 2-rank fit; its ranks' records, or its error."""
     out = root / variant
     cmd = [sys.executable, str(WORKER), "--variant", variant, "--out", str(out)]
-    for key in RUN_ARGS:
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    cmd += run_args(args)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     log = proc.stdout + proc.stderr

@@ -207,7 +207,7 @@ class FSDPLayout:
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with every shard gathered (a collective, same on every rank)."""
-        return {k: whole(v) for k, v in module.state_dict().items()}
+        return whole_state_dict(module)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with every sharded state tensor gathered."""
@@ -300,6 +300,14 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 def whole(value: Any) -> Any:
     """The whole tensor of a sharded one (a collective: every rank must call it); else itself."""
     return value.full_tensor() if is_sharded(value) else value
+
+
+def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every shard gathered whole (a collective if any is sharded).
+
+    A module without shards gives its own tensors (``whole`` returns them as they are).
+    """
+    return {k: whole(v) for k, v in module.state_dict().items()}
 
 
 def _unique(items: Any) -> list[Any]:

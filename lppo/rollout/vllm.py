@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from lppo.init_args import RecordsInitArgs
-from lppo.layouts.fsdp import is_sharded, whole
+from lppo.layouts.fsdp import whole_state_dict
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.hf import encode_prompt
 from lppo.rollout.turns import TurnRequest, TurnSample
@@ -67,20 +67,6 @@ def save_policy(
         policy.save_pretrained(directory, state_dict=state)
     finally:
         del policy.should_save_on_this_rank
-
-
-def full_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``policy.state_dict()`` with every FSDP shard gathered whole (vLLM loads whole tensors).
-
-    A policy without shards (``ppo_ddp``, one process, LoRA's merged copy) gives its own state
-    dict untouched; a sharded one (``ppo_fsdp``) gathers each tensor, a collective every rank
-    must run. (FSDP's state-dict hook reshards a policy unsharded by the layout's
-    ``gathered()``, so the gathered weights cannot be read in place.)
-    """
-    state = policy.state_dict()
-    if not any(is_sharded(t) for t in state.values()):
-        return state
-    return {name: whole(t) for name, t in state.items()}
 
 
 class VLLMEngine(RecordsInitArgs):
@@ -210,13 +196,13 @@ class VLLMEngine(RecordsInitArgs):
         """Load ``policy``'s weights into the running engine and drop its prefix cache.
 
         Under ``ppo_fsdp`` the policy holds shards: each is gathered whole first
-        (:func:`full_weights`, a collective: every rank syncs at the same point, as lppo's
-        rollout source does after every actor phase).
+        (:func:`~lppo.layouts.fsdp.whole_state_dict`, a collective: every rank syncs at the
+        same point, as lppo's rollout source does after every actor phase).
         """
         if self.llm is None or self._dir is None:
             raise RuntimeError("VLLMEngine.sync_from before setup().")
         clock = time.perf_counter()
-        state = full_weights(policy)
+        state = whole_state_dict(policy)
         if self.sync == "memory":
             weights = [(n, t.detach()) for n, t in state.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
