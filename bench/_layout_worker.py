@@ -257,6 +257,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--devices", type=int, default=2)
+    add_run_args(p)
+    return p.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> list[str]:
+    """``args``' values of every :func:`add_run_args` setting, as this script's flags."""
+    p = argparse.ArgumentParser()
+    add_run_args(p)
+    keys = vars(p.parse_args([]))
+    return [x for key in keys for x in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The model size and run length of a variant (one owner: the bench parses them too)."""
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--heads", type=int, default=12)
@@ -266,7 +280,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--iterations", type=int, default=3)
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _layout_worker import VARIANTS, add_run_args, run_args
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_layout_worker.py"
-VARIANTS = ("ddp", "fsdp", "lora_ddp", "lora_fsdp", "fsdp_chunk")
-MODEL_ARGS = ("hidden", "layers", "heads", "ffn", "lora_rank", "prompts", "samples", "new_tokens")
 MiB = 1024 * 1024
 ROLES = ("actor", "critic")
 
@@ -55,8 +55,7 @@ def run_variant(variant: str, args: argparse.Namespace, root: Path) -> dict[str,
     """Run one variant's 2-rank fit; its ranks' records, or its error."""
     out = root / variant
     cmd = [sys.executable, str(WORKER), "--variant", variant, "--out", str(out)]
-    for key in (*MODEL_ARGS, "iterations"):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    cmd += run_args(args)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     log = proc.stdout + proc.stderr
@@ -215,15 +214,7 @@ def _r(per: dict[str, list[dict[str, float]]], v: str, key: str) -> float:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=14)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--samples", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=6)
-    p.add_argument("--iterations", type=int, default=3)
+    add_run_args(p)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
     p.add_argument("--json", type=Path, default=Path("runs/bench/layouts.json"))
     return p.parse_args()

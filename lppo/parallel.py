@@ -241,6 +241,11 @@ class ParallelLayout(Protocol):
         ...
 
 
+def data_parallel_context(layout: ParallelLayout, world_size: int, rank: int) -> ParallelContext:
+    """One data-parallel group of every launched process, no tensor parallelism, ``layout``'s."""
+    return ParallelContext(data=ProcessGroup(size=world_size, rank=rank), layout=layout)
+
+
 @dataclass(frozen=True)
 class DataParallelLayout:
     """Data parallelism without a wrapper: full replicas, one gradient all-reduce per step.
@@ -258,7 +263,7 @@ class DataParallelLayout:
 
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """Data parallelism over every launched process."""
-        return ParallelContext(data=ProcessGroup(size=world_size, rank=rank), layout=self)
+        return data_parallel_context(self, world_size, rank)
 
     def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
         """Copy rank 0's parameters and buffers into every rank (one broadcast per dtype)."""

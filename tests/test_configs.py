@@ -6,11 +6,8 @@ import csv
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
-import torch
 
 from lppo.cli import run
 
@@ -112,7 +109,8 @@ def test_default_config_learns_with_stale_rollouts(tmp_path):
 
 
 def test_every_config_is_exercised():
-    """A new config under configs/ must get a test here."""
+    """A new config under configs/ must get a test here (``megatron_tp2.yaml``'s short fit is
+    the 2 x 2 fit of ``tests/modules/megatron/test_fit_parallel.py``)."""
     names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert names == [
         "dapo.yaml",
@@ -275,26 +273,6 @@ def test_megatron_config_learns(tmp_path):
 
 
 @pytest.mark.distributed
-def test_megatron_tp2_config_runs(tmp_path):
-    """``configs/megatron_tp2.yaml`` (4 processes: 2 data- x 2 tensor-parallel ranks), one
-    iteration, on CPU through the megatron shims in ``tests/megatron_fit_worker.py`` (in its
-    own processes: Lightning relaunches the command for ranks 1-3); the checkpoint holds whole
-    tensors."""
-    root = tmp_path / "run"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "tests" / "megatron_fit_worker.py"), "fit"]
-    cmd += ["--config", str(ROOT / "configs" / "megatron_tp2.yaml"), "--trainer.accelerator=cpu"]
-    cmd += ["--trainer.max_epochs=1", "--model.rollout.prompts_per_iteration=4"]
-    cmd += [f"--trainer.default_root_dir={root}"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert "Starting with 4 processes" in done.stdout + done.stderr
-    assert json.loads((root / "summary.json").read_text())["iterations"] == 1
-    ckpt = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
-    assert ckpt["state_dict"]["actor.model.embedding.word_embeddings.weight"].shape == (14, 64)
-
-
-@pytest.mark.distributed
 def test_ray_workers_config_runs(tmp_path):
     """``configs/ray_workers.yaml`` (2 Ray rollout workers + TransferQueue), shortened to 2
     iterations, on the session's Ray (same settings, so the fit attaches to it); the workers
@@ -353,6 +331,36 @@ def test_vllm_config_runs(tmp_path, monkeypatch):
     # Same weights, both float32: the engine and the trainer agree up to round-off.
     assert all(0 <= x < 1e-6 for x in kl), kl
     engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_vllm_config_runs_under_fsdp(tmp_path):
+    """``configs/vllm.yaml`` on 2 ``ppo_fsdp`` processes, 2 iterations: each rank's vLLM
+    engine is synced from the sharded actor (every tensor gathered whole), so the engine's
+    log-probs of the second rollout, after an actor phase, still equal the trainer's."""
+    from test_ddp import read_metrics, run_script
+
+    out = run_script(
+        [
+            "-m",
+            "lppo.cli",
+            "fit",
+            f"--config={ROOT / 'configs' / 'vllm.yaml'}",
+            "--trainer.strategy=ppo_fsdp",
+            "--trainer.devices=2",
+            "--trainer.max_epochs=2",
+            "--model.rollout.prompts_per_iteration=8",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Starting with 2 processes" in out
+    assert "strategy: ppo_fsdp" in (tmp_path / "version_0" / "config.yaml").read_text()
+    rows = read_metrics(tmp_path / "version_0" / "metrics.csv")
+    kl = [float(r["rollout/mismatch_kl"]) for r in rows if r.get("rollout/mismatch_kl")]
+    assert len(kl) == 2
+    assert all(0 <= x < 1e-6 for x in kl), kl
 
 
 @pytest.mark.vllm

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lppo.parallel import ParallelContext, ProcessGroup, sum_gradients
+from lppo.parallel import ParallelContext, ProcessGroup, data_parallel_context, sum_gradients
 from lppo.validation import SettingError
 
 #: Marks the models :meth:`FSDPLayout.prepare` sharded as a whole (the FSDP roots).
@@ -88,7 +88,7 @@ class FSDPLayout:
 
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """Sharding over every launched process (the data-parallel group)."""
-        return ParallelContext(data=ProcessGroup(size=world_size, rank=rank), layout=self)
+        return data_parallel_context(self, world_size, rank)
 
     def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
         """Rank 0's states everywhere, then shard every Hugging Face model under ``root``."""
@@ -207,7 +207,7 @@ class FSDPLayout:
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with every shard gathered (a collective, same on every rank)."""
-        return {k: whole(v) for k, v in module.state_dict().items()}
+        return whole_state_dict(module)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with every sharded state tensor gathered."""
@@ -249,7 +249,8 @@ def hf_models(root: nn.Module) -> list[nn.Module]:
 
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+        # ``root`` itself may be the model (name ""): then everything is inside it.
+        inside = any(not outer or name.startswith(f"{outer}.") for outer, _ in found)
         model = isinstance(module, PreTrainedModel) or hasattr(module, "peft_config")
         if model and not inside:
             found.append((name, module))
@@ -299,6 +300,14 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 def whole(value: Any) -> Any:
     """The whole tensor of a sharded one (a collective: every rank must call it); else itself."""
     return value.full_tensor() if is_sharded(value) else value
+
+
+def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every shard gathered whole (a collective if any is sharded).
+
+    A module without shards gives its own tensors (``whole`` returns them as they are).
+    """
+    return {k: whole(v) for k, v in module.state_dict().items()}
 
 
 def _unique(items: Any) -> list[Any]:

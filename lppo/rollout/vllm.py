@@ -26,6 +26,7 @@ import torch
 import transformers
 
 from lppo.init_args import RecordsInitArgs
+from lppo.layouts.fsdp import whole_state_dict
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.hf import encode_prompt
 from lppo.rollout.turns import TurnRequest, TurnSample
@@ -48,6 +49,24 @@ def import_vllm() -> Any:
     except ImportError as error:
         raise ImportError(f"{_MISSING} ({error})") from error
     return vllm
+
+
+def save_policy(
+    policy: transformers.PreTrainedModel,
+    directory: str,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """``policy.save_pretrained(directory, state_dict=state)``, written on every rank.
+
+    Since 5.19 transformers writes only on global rank 0 once torch.distributed is
+    initialized (``should_save_on_this_rank``), but every rank's vLLM loads its own directory:
+    this rank's answer is made "yes" for the call.
+    """
+    policy.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        policy.save_pretrained(directory, state_dict=state)
+    finally:
+        del policy.should_save_on_this_rank
 
 
 class VLLMEngine(RecordsInitArgs):
@@ -145,7 +164,7 @@ class VLLMEngine(RecordsInitArgs):
         self.sampling = sampling
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._dir = self.work_dir or tempfile.mkdtemp(prefix="lppo-vllm-")
-        policy.save_pretrained(self._dir)
+        save_policy(policy, self._dir)
         # The in-memory sync hands tensors to the worker: keep it in this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -174,16 +193,22 @@ class VLLMEngine(RecordsInitArgs):
         torch.set_num_threads(threads)
 
     def sync_from(self, policy: torch.nn.Module, version: int) -> None:
-        """Load ``policy``'s weights into the running engine and drop its prefix cache."""
+        """Load ``policy``'s weights into the running engine and drop its prefix cache.
+
+        Under ``ppo_fsdp`` the policy holds shards: each is gathered whole first
+        (:func:`~lppo.layouts.fsdp.whole_state_dict`, a collective: every rank syncs at the
+        same point, as lppo's rollout source does after every actor phase).
+        """
         if self.llm is None or self._dir is None:
             raise RuntimeError("VLLMEngine.sync_from before setup().")
         clock = time.perf_counter()
+        state = whole_state_dict(policy)
         if self.sync == "memory":
-            weights = [(n, t.detach()) for n, t in policy.state_dict().items()]
+            weights = [(n, t.detach()) for n, t in state.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:
             assert isinstance(policy, transformers.PreTrainedModel)
-            policy.save_pretrained(self._dir)
+            save_policy(policy, self._dir, state)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._dir})
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()

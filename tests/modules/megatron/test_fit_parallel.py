@@ -16,13 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ports import next_port
 
 from lppo.cli import run
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "megatron_fit_worker.py"
 CONFIG = str(ROOT / "configs" / "megatron_tp2.yaml")
-TIMEOUT_S = 420
+#: Generous: the fits run side by side, with the other xdist worker's tests, on 2 cores.
+TIMEOUT_S = 900
 ACTOR = "--model.actor.init_args.model.init_args"
 CRITIC = "--model.critic.init_args.backbone.init_args"
 #: Two iterations of four prompts in blocks of one (the same blocks, so the same generation
@@ -47,6 +49,7 @@ def start(out: Path, *args: str) -> subprocess.Popen:
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env["MASTER_PORT"] = str(next_port())  # fits started side by side must not share one
     cmd = [sys.executable, str(WORKER), "--record", str(out), "fit", f"--config={CONFIG}"]
     cmd += [f"--trainer.default_root_dir={out / 'run'}", *args]
     return subprocess.Popen(
@@ -113,7 +116,7 @@ def records(out: Path, world: int) -> tuple[list[dict], list[dict[str, torch.Ten
 def test_two_data_by_two_tensor_parallel_ranks_train_like_one_process(tmp_path):
     """4 processes (2 x 2) equal 1 process; each replica's rows are a 2-process DP run's."""
     fits = {
-        "tp": start(tmp_path / "tp", *SMALL),  # the config as is: 4 devices, ppo_ddp, tp 2
+        "tp": start(tmp_path / "tp", *SMALL),  # the config as is: 4 devices, ppo_megatron, tp 2
         "dp": start(tmp_path / "dp", *SMALL, *TP1, "--trainer.devices=2"),
         "one": start(tmp_path / "one", *SMALL, *TP1, "--trainer.devices=1"),
     }
