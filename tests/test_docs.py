@@ -5,8 +5,8 @@ string is ``bash``, ``sh``, ``shell`` or ``console`` is preceded, on the line ri
 before its opening fence, by ``<!-- check: run -->`` (the slow test runs it) or
 ``<!-- check: skip: <reason> -->`` (it is never run, e.g. a long benchmark).
 
-``README.md`` is checked only once it contains a ``check:`` marker: it is being
-rewritten, and until then its shell blocks are not held to the convention.
+README.md's first block, the two commands, is exempt: ``.ci/run`` runs its second line,
+and the first is the default run (``tests/test_configs.py`` runs that config unshrunk).
 """
 
 from __future__ import annotations
@@ -99,19 +99,12 @@ def parse_blocks(text: str, path: str) -> list[ShellBlock]:
     return blocks
 
 
-def _doc_files() -> list[Path]:
-    """The markdown files under the convention (README.md only once it has a marker)."""
-    files = sorted((ROOT / "docs").rglob("*.md"))
-    readme = ROOT / "README.md"
-    if readme.is_file() and "check:" in readme.read_text(encoding="utf-8"):
-        files.insert(0, readme)
-    return files
-
-
 def all_blocks() -> list[ShellBlock]:
-    """Every shell block of the files under the convention."""
-    blocks: list[ShellBlock] = []
-    for file in _doc_files():
+    """Every shell block of ``docs/**/*.md`` and of README.md but its first (the two commands)."""
+    readme = parse_blocks((ROOT / "README.md").read_text(encoding="utf-8"), "README.md")
+    assert readme and readme[0].line == 3, "README.md must open with the two commands' block"
+    blocks = readme[1:]
+    for file in sorted((ROOT / "docs").rglob("*.md")):
         rel = file.relative_to(ROOT).as_posix()
         blocks.extend(parse_blocks(file.read_text(encoding="utf-8"), rel))
     return blocks
