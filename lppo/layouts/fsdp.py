@@ -305,7 +305,9 @@ def whole(value: Any) -> Any:
 def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every shard gathered whole (a collective if any is sharded).
 
-    A module without shards gives its own tensors (``whole`` returns them as they are).
+    A module without shards gives its own tensors (``whole`` returns them as they are). Read
+    the state dict, not the parameters of a module unsharded by ``gathered()``: FSDP's
+    state-dict hook reshards it first, so gathered weights cannot be read in place.
     """
     return {k: whole(v) for k, v in module.state_dict().items()}
 
