@@ -2,7 +2,7 @@
 
 Usage (from the repository root, with lppo's venv)::
 
-    .venv/bin/python bench/trl_side_by_side.py                       # the README table
+    .venv/bin/python bench/trl_side_by_side.py        # docs/benchmarks/trl.md
     .venv/bin/python bench/trl_side_by_side.py --prompts 16 64 --setups equal --iterations 2
 
 The script installs TRL 1.12.0 (the last release with PPO, ``trl.experimental.ppo``) into its

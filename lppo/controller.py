@@ -163,7 +163,7 @@ class PPOController:
             iteration: iteration index (seeds the shuffles; decides critic warmup).
             rollout_seconds: time spent generating ``rollout`` (reported, not used).
             generation: the rollout's lag and generation timing (reported, not used;
-            ``None``: generated synchronously, staleness 0).
+                ``None``: generated synchronously, staleness 0).
 
         Raises:
             IterationError: anything failed; open steps were aborted and rows released.

@@ -1,6 +1,6 @@
 """A run directory belongs to one run: the lock, the "already holds a run" rule, ``last``.
 
-The rule (the README's "Run directories" section): ``<default_root_dir>`` holds the checkpoints
+The rule (docs/guides/run-directories.md): ``<default_root_dir>`` holds the checkpoints
 of one run. ``lppo fit`` without ``--ckpt_path`` into a directory whose ``checkpoints/``
 already holds checkpoints is refused (resume it, pick another directory, or pass
 ``--trainer.overwrite true`` to delete them first); so ``--ckpt_path last`` always means the

