@@ -8,9 +8,9 @@ peak RSS. The settings (:func:`grpo_config`) make TRL's work lppo's: ``N`` promp
 = ``max_completion_length``), temperature 1, no reference model (``beta`` 0), the shared random
 reward model as the only reward, one generation batch of all ``N × SAMPLES`` rows used once
 (``num_iterations`` 1) for one optimizer step (``gradient_accumulation_steps`` micro-batches
-of 8 rows), loss normalized over the batch's tokens (``loss_type="dapo"``, lppo's
-``token_mean``), fp32 on the CPU. Phases are timed by wrapping the trainer's own methods:
-generation is ``_generate``; scoring is the rest of ``_generate_and_score_completions``
+of 8 rows; no gradient checkpointing, lppo has none), loss normalized over the batch's tokens
+(``loss_type="dapo"``, lppo's ``token_mean``), fp32 on the CPU. Phases are timed by
+wrapping the trainer's own methods: generation is ``_generate``; scoring is the rest of ``_generate_and_score_completions``
 (reward model, advantages); training runs from there to ``on_step_end``. Nothing of TRL's own
 computation is changed.
 """
@@ -60,6 +60,7 @@ def grpo_config(out: str, n: int, iterations: int, samples: int) -> Any:
         scale_rewards="group",
         learning_rate=1e-5,
         lr_scheduler_type="constant",
+        gradient_checkpointing=False,
         save_strategy="no",
         report_to=[],
         logging_steps=10**9,

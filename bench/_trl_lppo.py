@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -82,12 +83,10 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
 
     from lppo import PPOSystem
     from lppo.config import PPOConfig
-    from lppo.estimators import GAE
+    from lppo.estimators import GAE, GRPO
     from lppo.models import HFCausalLM
     from lppo.modules import ActorModule, CriticModule, RewardModel
     from lppo.rollout import HFGenerateEngine, RolloutSettings
-
-    from lppo.estimators import GRPO
 
     gen_batch = int(opts.get("gen_batch", "0")) or None
     samples = int(opts.get("samples", "1"))
@@ -155,6 +154,7 @@ def main() -> None:
 
     rows: list[dict[str, float]] = []
     padding: list[dict[str, float]] = []
+    work: list[dict[str, int]] = []
 
     class Record(PPOCallback):
         def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -171,6 +171,12 @@ def main() -> None:
                 "training": s.get("critic", 0.0) + s.get("actor", 0.0),
             }
             padding.append(dict(getattr(result, "padding", {})))
+            work.append(
+                {
+                    "tokens": int(result.tokens.get("rollout", 0)),
+                    "optimizer_steps": len(result.phase_steps("actor")),
+                }
+            )
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             trainer.strategy.barrier()  # every rank has finished before the turn ends
@@ -226,6 +232,12 @@ def main() -> None:
         "side": "lppo",
         "iterations": rows,
         "padding_fraction": padding,
+        "work": {
+            "prompts": n,
+            "samples": int(opts.get("samples", "1")),
+            "tokens": [w["tokens"] for w in work],
+            "optimizer_steps": statistics.median(w["optimizer_steps"] for w in work),
+        },
         "peak_rss_mb": float(peaks.sum()),
         "ranks": ranks,
     }
