@@ -10,7 +10,8 @@ reward model as the only reward, one generation batch of all ``N × SAMPLES`` ro
 (``num_iterations`` 1) for one optimizer step (``gradient_accumulation_steps`` micro-batches
 of 8 rows; no gradient checkpointing, lppo has none), loss normalized over the batch's tokens
 (``loss_type="dapo"``, lppo's ``token_mean``), fp32 on the CPU. Phases are timed by
-wrapping the trainer's own methods: generation is ``_generate``; scoring is the rest of ``_generate_and_score_completions``
+wrapping the trainer's own methods: generation is ``_generate``; scoring is the rest of
+``_generate_and_score_completions``
 (reward model, advantages); training runs from there to ``on_step_end``. Nothing of TRL's own
 computation is changed.
 """
