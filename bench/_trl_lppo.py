@@ -8,7 +8,10 @@ all rows) and ``sort_by_length`` (``1``: length-sorted generation batches), ``pr
 (``1``: actor, reference, critic and reward model run their last block only from the first
 response position on, :mod:`lppo.tail`), ``ranks`` (data-parallel processes, ``PPODDPStrategy``
 over gloo, each with ``THREADS / ranks`` intra-op threads; default 1) and ``profile`` (a path:
-cProfile of the timed iterations is dumped there).
+cProfile of the timed iterations is dumped there), ``estimator`` (``gae``, the default: PPO
+with a critic, KL 0.05, 2 epochs; ``grpo``: lppo's critic-free defaults, ``lppo.estimators.GRPO``
+with no critic, KL 0, one epoch; ``bench/trl_grpo_side_by_side.py``) and ``samples`` (samples
+per prompt, default 1).
 
 The run is a real ``lppo.PPOTrainer.fit`` of a :class:`~lppo.PPOSystem` built on the
 benchmark's files (policy, critic backbone, reward model, tokenizer, prompts); the task serves
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -79,16 +83,18 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
 
     from lppo import PPOSystem
     from lppo.config import PPOConfig
-    from lppo.estimators import GAE
+    from lppo.estimators import GAE, GRPO
     from lppo.models import HFCausalLM
     from lppo.modules import ActorModule, CriticModule, RewardModel
     from lppo.rollout import HFGenerateEngine, RolloutSettings
 
     gen_batch = int(opts.get("gen_batch", "0")) or None
-    settings = {"prompts_per_iteration": n, "samples_per_prompt": 1, "max_new_tokens": 64}
+    samples = int(opts.get("samples", "1"))
+    settings = {"prompts_per_iteration": n, "samples_per_prompt": samples, "max_new_tokens": 64}
     if "ignore_eos" in inspect.signature(RolloutSettings).parameters:
         settings["ignore_eos"] = True
-    ppo = {"kl_coef": 0.05, "critic_epochs": 2, "actor_epochs": 2}
+    grpo = opts.get("estimator", "gae") == "grpo"
+    ppo = {} if grpo else {"kl_coef": 0.05, "critic_epochs": 2, "actor_epochs": 2}
     if opts.get("old_logprobs", "recompute") != "recompute":
         ppo["old_logprobs"] = opts["old_logprobs"]
     if opts.get("old_values", "score") != "score":
@@ -98,7 +104,9 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
         actor=ActorModule(
             HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5, **trim
         ),
-        critic=CriticModule(
+        critic=None
+        if grpo
+        else CriticModule(
             HFCausalLM(pretrained_path=os.path.join(root, "critic")), lr=1e-5, **trim
         ),
         task=build_task(prompts),
@@ -108,7 +116,7 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
             sort_by_length=opts.get("sort_by_length", "0") == "1",
             **engine_knobs(opts),
         ),
-        estimator=GAE(gamma=1.0, lam=0.95),
+        estimator=GRPO() if grpo else GAE(gamma=1.0, lam=0.95),
         reward_model=RewardModel(
             HFCausalLM(pretrained_path=os.path.join(root, "reward")),
             task_weight=0.0,
@@ -146,6 +154,7 @@ def main() -> None:
 
     rows: list[dict[str, float]] = []
     padding: list[dict[str, float]] = []
+    work: list[dict[str, int]] = []
 
     class Record(PPOCallback):
         def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -162,6 +171,12 @@ def main() -> None:
                 "training": s.get("critic", 0.0) + s.get("actor", 0.0),
             }
             padding.append(dict(getattr(result, "padding", {})))
+            work.append(
+                {
+                    "tokens": int(result.tokens.get("rollout", 0)),
+                    "optimizer_steps": len(result.phase_steps("actor")),
+                }
+            )
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             trainer.strategy.barrier()  # every rank has finished before the turn ends
@@ -217,6 +232,12 @@ def main() -> None:
         "side": "lppo",
         "iterations": rows,
         "padding_fraction": padding,
+        "work": {
+            "prompts": n,
+            "samples": int(opts.get("samples", "1")),
+            "tokens": [w["tokens"] for w in work],
+            "optimizer_steps": statistics.median(w["optimizer_steps"] for w in work),
+        },
         "peak_rss_mb": float(peaks.sum()),
         "ranks": ranks,
     }

@@ -66,16 +66,16 @@ TUNED = [
 TRL_VARIANTS = ("trl", "trl-dp")
 
 
-def ensure_trl_venv(path: str) -> str:
-    """The TRL venv's python, creating the venv (TRL 1.12.0, torch pinned) when missing."""
+def ensure_trl_venv(path: str, version: str = "1.12.0") -> str:
+    """The TRL venv's python, creating the venv (TRL ``version``, torch pinned) when missing."""
     python = os.path.join(path, "bin", "python")
-    check = [python, "-c", "import trl, sys; sys.exit(trl.__version__ != '1.12.0')"]
+    check = [python, "-c", f"import trl, sys; sys.exit(trl.__version__ != {version!r})"]
     if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    print(f"installing TRL 1.12.0 into {path} ...", file=sys.stderr)
+    print(f"installing TRL {version} into {path} ...", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", path], check=True)
     constraints = os.path.join(REPO, "constraints.txt")
-    pip = [python, "-m", "pip", "install", "-q", "-c", constraints, "trl==1.12.0"]
+    pip = [python, "-m", "pip", "install", "-q", "-c", constraints, f"trl=={version}"]
     subprocess.run(pip, check=True)
     return python
 
