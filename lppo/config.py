@@ -66,7 +66,8 @@ class PPOConfig:
             forward pass fewer per iteration, the same values up to round-off). ``critic``
             needs ``critic_minibatches: 1`` (so no step changes the critic before every row
             is valued), ``disable_dropout: true`` and an estimator with per-row targets
-            (``GAE``).
+            (``GAE``). ``auto`` (the default): ``critic`` where those hold, else ``score``
+            (logged at setup; :func:`~lppo.critic_targets.resolve_old_values`).
     """
 
     #: Settings a resumed run may change (budgets and the failure policy, read afresh).
@@ -96,7 +97,7 @@ class PPOConfig:
     max_failed_iterations: int = 0
     disable_dropout: bool = True
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    old_values: Literal["score", "critic"] = "score"
+    old_values: Literal["auto", "score", "critic"] = "auto"
 
     def __post_init__(self) -> None:
         """Raise ``SettingError`` naming the key, the value and the fix for a bad setting."""
@@ -163,9 +164,9 @@ class PPOConfig:
         )
 
     def _check_old_values(self) -> None:
-        if self.old_values not in ("score", "critic"):
+        if self.old_values not in ("auto", "score", "critic"):
             raise SettingError(
-                f"model.ppo.old_values={self.old_values!r}; use 'score' or 'critic'."
+                f"model.ppo.old_values={self.old_values!r}; use 'auto', 'score' or 'critic'."
             )
         if self.old_values != "critic":
             return

@@ -30,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from lppo.config import PPOConfig
-from lppo.critic_targets import AdvantagePhase, FirstEpochTargets
+from lppo.critic_targets import AdvantagePhase, FirstEpochTargets, resolve_old_values
 from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
@@ -106,7 +106,10 @@ class PPOController:
         self.actor = actor
         self.critic = critic
         self.data = data
-        self.config = config if config is not None else PPOConfig()
+        self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
+        self.config = resolve_old_values(
+            config if config is not None else PPOConfig(), self.estimator, critic
+        )
         if (self.config.kl_coef > 0 or actor.needs_reference) and reference is None:
             raise ValueError(
                 f"model.ppo.kl_coef={self.config.kl_coef} with model.actor.init_args."
@@ -114,7 +117,6 @@ class PPOController:
                 "(PPOSystem builds a frozen copy of the actor) or set both to 0."
             )
         self.reference = reference
-        self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
         self.advantages = AdvantagePhase(self.estimator, critic, self.config)
         self.parallel = parallel if parallel is not None else ParallelContext()
         for module in self.trainable_modules():

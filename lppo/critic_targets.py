@@ -9,11 +9,14 @@ through its first epoch are the weights the score phase would have run it with, 
 epoch's forward pass already computes the old values. :class:`FirstEpochTargets` turns them,
 chunk by chunk, into the advantages and returns that the estimator would have written after a
 score pass: one forward pass of the critic over every row fewer per iteration, and the same
-numbers up to round-off.
+numbers up to round-off. ``old_values: auto`` (the default) picks ``critic`` wherever it
+applies (:func:`resolve_old_values`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import cast
 
 import torch
@@ -28,7 +31,15 @@ from lppo.estimators.base import (
 from lppo.modules import CriticModule
 from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk, RolloutStats
 
-__all__ = ["AdvantagePhase", "FirstEpochTargets", "check_critic", "check_old_values"]
+__all__ = [
+    "AdvantagePhase",
+    "FirstEpochTargets",
+    "check_critic",
+    "check_old_values",
+    "resolve_old_values",
+]
+
+_log = logging.getLogger(__name__)
 
 
 class AdvantagePhase:
@@ -110,6 +121,34 @@ class FirstEpochTargets:
                 "critic's first epoch (each row must be in one of its chunks)."
             )
         return self.estimator.finish_targets(self.inputs, self.moments)
+
+
+def resolve_old_values(
+    config: PPOConfig, estimator: AdvantageEstimator, critic: CriticModule | None
+) -> PPOConfig:
+    """``config`` with ``old_values: auto`` made ``critic`` or ``score``.
+
+    ``critic`` (one critic forward pass fewer per iteration, the same numbers to round-off)
+    wherever it applies: a critic, an estimator with per-row value targets (``GAE``),
+    ``critic_minibatches: 1``, ``disable_dropout: true`` and a critic whose ``chunk_loss`` is
+    :class:`~lppo.modules.CriticModule`'s (a subclass's own may not read ``chunk.targets``);
+    otherwise ``score``, with a log line that names the reason. An explicit ``score`` or
+    ``critic`` is returned unchanged.
+    """
+    if config.old_values != "auto":
+        return config
+    reasons = []
+    if critic is None or not isinstance(estimator, ValueTargets) or not estimator.uses_critic:
+        reasons.append(f"model.estimator={type(estimator).__name__} has no per-row value targets")
+    elif type(critic).chunk_loss is not CriticModule.chunk_loss:
+        reasons.append(f"{type(critic).__name__} overrides chunk_loss")
+    if config.critic_minibatches != 1:
+        reasons.append(f"model.ppo.critic_minibatches={config.critic_minibatches}")
+    if not config.disable_dropout:
+        reasons.append("model.ppo.disable_dropout=false")
+    if reasons and critic is not None:
+        _log.info("model.ppo.old_values=auto: score (%s)", "; ".join(reasons))
+    return dataclasses.replace(config, old_values="score" if reasons else "critic")
 
 
 def check_old_values(config: PPOConfig, estimator: AdvantageEstimator) -> None:

@@ -73,7 +73,7 @@ def params(module: torch.nn.Module) -> torch.Tensor:
 
 
 def test_first_epoch_values_equal_the_score_pass_and_train_the_same(tmp_path: Path) -> None:
-    base, base_seen = fit(tmp_path / "score")
+    base, base_seen = fit(tmp_path / "score", old_values="score")
     scored: list[int] = []
     score = CriticModule.score
 
@@ -102,7 +102,7 @@ def test_first_epoch_values_equal_the_score_pass_and_train_the_same(tmp_path: Pa
 @pytest.mark.parametrize(
     ("ppo", "match"),
     [
-        ({"old_values": "epoch"}, r"model\.ppo\.old_values='epoch'; use 'score' or 'critic'"),
+        ({"old_values": "epoch"}, r"old_values='epoch'; use 'auto', 'score' or 'critic'"),
         ({"critic_minibatches": 2}, r"needs model\.ppo\.critic_minibatches=1 \(got 2\)"),
         ({"disable_dropout": False}, r"needs model\.ppo\.disable_dropout=true"),
     ],
@@ -154,3 +154,37 @@ def test_two_ranks_value_their_own_rows_in_the_first_epoch_like_one_process(tmp_
     for name, value in want.items():
         assert torch.equal(got[0][name], got[1][name]), name
         torch.testing.assert_close(got[0][name], value, rtol=1e-10, atol=1e-12)
+
+
+class OwnLoss(CriticModule):
+    """A user's critic with its own loss (it need not read ``chunk.targets``)."""
+
+    def chunk_loss(self, chunk, sums):
+        return super().chunk_loss(chunk, sums)
+
+
+@pytest.mark.parametrize(
+    ("ppo", "estimator", "critic", "want"),
+    [
+        ({}, GAE(), CriticModule, "critic"),
+        ({"critic_minibatches": 2}, GAE(), CriticModule, "score"),
+        ({"disable_dropout": False}, GAE(), CriticModule, "score"),
+        ({}, GAE(), OwnLoss, "score"),
+        ({}, GRPO(), None, "score"),
+        ({"old_values": "score"}, GAE(), CriticModule, "score"),
+    ],
+)
+def test_auto_values_rows_in_the_critic_wherever_that_is_exact(ppo, estimator, critic, want):
+    """The default, old_values=auto, is critic where it applies and score elsewhere."""
+    module = critic(spec(1)) if critic is not None else None
+    ctl = PPOController(
+        actor=ActorModule(spec(0)),
+        critic=module,
+        data=ReplayDataModule(),
+        config=PPOConfig(**ppo),
+        estimator=estimator,
+    )
+    assert PPOConfig().old_values == "auto"
+    assert ctl.config.old_values == want
+    if module is not None:  # the score phase values the rows unless the critic does
+        assert (ctl.scorer.critic is None) == (want == "critic")

@@ -47,7 +47,8 @@ def fit(root: Path, iterations: int = 1, data: dict | None = None, **ppo):
         critic=CriticModule(spec(1), lr=1e-3),
         task=CopyTask(),
         rollout=RolloutSettings(prompts_per_iteration=8, samples_per_prompt=2, max_new_tokens=5),
-        ppo=PPOConfig(kl_coef=0.05, **ppo),
+        # score: these tests read the score phase's values (auto values rows in the critic)
+        ppo=PPOConfig(kl_coef=0.05, **{"old_values": "score", **ppo}),
         num_threads=1,
     )
     seen = ScoredColumns()

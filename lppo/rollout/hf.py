@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -14,6 +15,7 @@ from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.hf_prefill import (
     cache_keyword,
     check_full_attention,
+    other_cache_layer,
     prefill_pieces,
     prefilled_cache,
 )
@@ -73,6 +75,9 @@ class _Sample:
     truncated: bool
 
 
+_log = logging.getLogger(__name__)
+
+
 class HFGenerateEngine(RecordsInitArgs):
     """Samples responses with ``model.generate`` (left-padded batches, KV cache).
 
@@ -111,8 +116,10 @@ class HFGenerateEngine(RecordsInitArgs):
         cache: the KV cache ``generate`` decodes with. ``dynamic``: Hugging Face's default,
             grown by concatenation (each new token copies the whole cache); ``static``: one
             ``StaticCache`` of prompt + ``max_new_tokens`` positions, written in place, which
-            is much faster for large batches and holds that full size from the start.
-            Full-attention models only.
+            is much faster for large batches and holds that full size from the start (the
+            size a dynamic cache reaches when any row runs to ``max_new_tokens``; the same
+            samples). Full-attention models only. ``auto`` (the default): ``static`` for a
+            full-attention model, else ``dynamic`` (logged at setup).
     """
 
     resume_safe = ("batch_size",)  # a resumed run may regroup its generate calls
@@ -124,7 +131,7 @@ class HFGenerateEngine(RecordsInitArgs):
         chat_template: bool = False,
         sort_by_length: bool = False,
         prefill_tokens: int | None = None,
-        cache: Literal["dynamic", "static"] = "dynamic",
+        cache: Literal["auto", "dynamic", "static"] = "auto",
     ) -> None:
         check_number(
             "model.engine.init_args.batch_size",
@@ -142,14 +149,15 @@ class HFGenerateEngine(RecordsInitArgs):
             optional=True,
             fix="null prefills each generate batch in one pass.",
         )
-        if cache not in ("dynamic", "static"):
+        if cache not in ("auto", "dynamic", "static"):
             raise ValueError(
                 f"model.engine.init_args.cache={cache!r} is not a KV cache kind; "
-                "use 'dynamic' or 'static'"
+                "use 'auto', 'dynamic' or 'static'"
             )
         self.batch_size = batch_size
         self.prefill_tokens = prefill_tokens
         self.cache = cache
+        self.cache_kind: Literal["auto", "dynamic", "static"] = cache  # resolved at setup
         self.prepend_bos = prepend_bos
         self.chat_template = chat_template
         self.sort_by_length = sort_by_length
@@ -195,6 +203,12 @@ class HFGenerateEngine(RecordsInitArgs):
             )
         if self.prefill_tokens is not None or self.cache == "static":
             check_full_attention(policy)
+        self.cache_kind = self.cache
+        if self.cache == "auto":
+            layer = other_cache_layer(policy)
+            self.cache_kind = "dynamic" if layer else "static"
+            if layer:
+                _log.info("model.engine.init_args.cache=auto: dynamic (a %s layer)", layer)
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling
@@ -339,9 +353,9 @@ class HFGenerateEngine(RecordsInitArgs):
             attention_mask[r, width - len(ids) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         kwargs = {}
-        if self.prefill_tokens is not None or self.cache == "static":
+        if self.prefill_tokens is not None or self.cache_kind == "static":
             pieces = prefill_pieces([len(ids) for ids in batch], self.prefill_tokens)
-            static = width + config.max_new_tokens if self.cache == "static" else None
+            static = width + config.max_new_tokens if self.cache_kind == "static" else None
             cache = prefilled_cache(self.model, input_ids, attention_mask, pieces, static)
             kwargs[cache_keyword(self.model)] = cache
         result = self.model.generate(

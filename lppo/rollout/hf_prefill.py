@@ -122,19 +122,33 @@ def prefilled_cache(
     return cache
 
 
+def other_cache_layer(model: torch.nn.Module) -> str | None:
+    """The type name of a layer of ``model``'s KV cache that is not full attention, if any.
+
+    A model without a Hugging Face config (whose cache layers cannot be known) gives
+    ``"unknown"``.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return "unknown"
+    for layer in DynamicCache(config=config).layers:
+        if type(layer) is not DynamicLayer:
+            return type(layer).__name__
+    return None
+
+
 def check_full_attention(model: torch.nn.Module) -> None:
     """Raise unless every layer of ``model``'s KV cache is a plain full-attention layer.
 
     Raises:
         ValueError: a sliding-window, linear-attention, ... layer, naming the knobs and the fix.
     """
-    for layer in DynamicCache(config=model.config).layers:
-        if type(layer) is not DynamicLayer:
-            raise ValueError(
-                f"model.engine.init_args.prefill_tokens / cache: {type(model).__name__} has a "
-                f"{type(layer).__name__} layer; only full-attention layers can be prefilled "
-                "in pieces. Set prefill_tokens: null and cache: dynamic."
-            )
+    if (layer := other_cache_layer(model)) is not None:
+        raise ValueError(
+            f"model.engine.init_args.prefill_tokens / cache: {type(model).__name__} has a "
+            f"{layer} layer; only full-attention layers can be prefilled in pieces or "
+            "decoded with a static cache. Set prefill_tokens: null and cache: dynamic (or auto)."
+        )
 
 
 def _prefix_tensors(

@@ -52,13 +52,14 @@ def test_pieces_cover_every_row_once_within_the_budget() -> None:
         {"cache": "static"},
         {"prefill_tokens": 12, "cache": "static"},
         {"prefill_tokens": 1},
+        {},  # cache: auto, static for this full-attention model
     ],
 )
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_samples_equal_the_one_pass_prefill(knobs, ignore_eos) -> None:
     """Same tokens, texts and log-probs (float64: round-off never flips a sample)."""
     model = _model()
-    base = _generate(model, ignore_eos=ignore_eos)
+    base = _generate(model, ignore_eos=ignore_eos, cache="dynamic")
     out = _generate(model, ignore_eos=ignore_eos, **knobs)
     assert len({len(ids) for ids in base.input_ids}) > 3  # the prompts' lengths vary
     for a, b in zip(out.input_ids, base.input_ids, strict=True):
@@ -73,7 +74,7 @@ def test_samples_equal_the_one_pass_prefill(knobs, ignore_eos) -> None:
 
 def test_greedy_float32_equals_the_one_pass_prefill() -> None:
     model = _model("float32")
-    base = _generate(model, greedy=True)
+    base = _generate(model, greedy=True, cache="dynamic")
     out = _generate(model, greedy=True, prefill_tokens=16, cache="static")
     for a, b in zip(out.input_ids, base.input_ids, strict=True):
         assert torch.equal(a, b)
@@ -114,7 +115,16 @@ def test_sliding_window_models_are_refused_with_the_fix() -> None:
         engine = HFGenerateEngine(**knobs)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: nu"):
             engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
-    HFGenerateEngine().setup(model, TOK, RolloutSettings(max_new_tokens=3))  # knobs off: fine
+    engine = HFGenerateEngine()  # cache: auto, dynamic for a sliding-window model
+    engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
+    assert engine.cache_kind == "dynamic"
+
+
+def test_auto_cache_is_static_for_full_attention() -> None:
+    engine = HFGenerateEngine()
+    assert engine.cache == "auto"
+    engine.setup(_model(), TOK, RolloutSettings(max_new_tokens=3))
+    assert engine.cache_kind == "static"
 
 
 def test_knobs_are_validated() -> None:
