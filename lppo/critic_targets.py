@@ -16,10 +16,10 @@ applies (:func:`resolve_old_values`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import cast
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.config import PPOConfig
 from lppo.estimators.base import (
@@ -38,8 +38,6 @@ __all__ = [
     "check_old_values",
     "resolve_old_values",
 ]
-
-_log = logging.getLogger(__name__)
 
 
 class AdvantagePhase:
@@ -147,7 +145,7 @@ def resolve_old_values(
     if not config.disable_dropout:
         reasons.append("model.ppo.disable_dropout=false")
     if reasons and critic is not None:
-        _log.info("model.ppo.old_values=auto: score (%s)", "; ".join(reasons))
+        rank_zero_info("model.ppo.old_values=auto: score (" + "; ".join(reasons) + ")")
     return dataclasses.replace(config, old_values="score" if reasons else "critic")
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import transformers
+from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
@@ -73,9 +73,6 @@ class _Sample:
     gen_logprobs: torch.Tensor
     completion: str
     truncated: bool
-
-
-_log = logging.getLogger(__name__)
 
 
 class HFGenerateEngine(RecordsInitArgs):
@@ -208,7 +205,7 @@ class HFGenerateEngine(RecordsInitArgs):
             layer = other_cache_layer(policy)
             self.cache_kind = "dynamic" if layer else "static"
             if layer:
-                _log.info("model.engine.init_args.cache=auto: dynamic (a %s layer)", layer)
+                rank_zero_info(f"model.engine.init_args.cache=auto: dynamic (a {layer} layer)")
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling
