@@ -17,6 +17,20 @@ SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 VOCAB = 1024
 HIDDEN, LAYERS, HEADS, INTERMEDIATE = 256, 4, 4, 1024
 
+#: The ``TrainingArguments`` both TRL benches share: CPU, fp32, seed 0, no saving, logging,
+#: progress bars or loader workers (only timings and the trainer's own work remain).
+TRAINER_ARGS = dict(
+    save_strategy="no",
+    report_to=[],
+    logging_steps=10**9,
+    use_cpu=True,
+    bf16=False,
+    fp16=False,
+    seed=0,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
 
 def build_tokenizer(path: str) -> None:
     """A word-level fast tokenizer: ``"w5 w17"`` encodes to two ids, no special token added."""

@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _turns
-from _trl_assets import load_prompts, peak_rss_mb
+from _trl_assets import TRAINER_ARGS, load_prompts, peak_rss_mb
 
 #: Rows per micro-batch, as the PPO bench (lppo: 640-token chunks = 8 × 80).
 MICRO_BATCH = 8
@@ -62,16 +62,8 @@ def grpo_config(out: str, n: int, iterations: int, samples: int) -> Any:
         learning_rate=1e-5,
         lr_scheduler_type="constant",
         gradient_checkpointing=False,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=10**9,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         shuffle_dataset=False,
+        **TRAINER_ARGS,
     )
 
 

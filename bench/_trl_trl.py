@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _turns
-from _trl_assets import load_prompts, peak_rss_mb
+from _trl_assets import TRAINER_ARGS, load_prompts, peak_rss_mb
 
 
 def launch_ranks(ranks: int, threads: int) -> list[subprocess.Popen]:
@@ -134,15 +134,7 @@ def main() -> None:
         kl_coef=0.05,
         learning_rate=1e-5,
         num_sample_generations=0,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=10**9,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **TRAINER_ARGS,
     )
     trainer = PPOTrainer(
         args=config,
