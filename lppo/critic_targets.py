@@ -128,9 +128,11 @@ def resolve_old_values(
 
     ``critic`` (one critic forward pass fewer per iteration, the same numbers to round-off)
     wherever it applies: a critic, an estimator with per-row value targets (``GAE``),
-    ``critic_minibatches: 1``, ``disable_dropout: true`` and a critic whose ``chunk_loss`` is
-    :class:`~lppo.modules.CriticModule`'s (a subclass's own may not read ``chunk.targets``);
-    otherwise ``score``, with a log line that names the reason. An explicit ``score`` or
+    ``critic_minibatches: 1``, ``disable_dropout: true``, a critic whose ``chunk_loss`` is
+    :class:`~lppo.modules.CriticModule`'s (a subclass's own may not read ``chunk.targets``) and
+    an estimator whose ``estimate`` comes from the class of its ``chunk_targets`` (a subclass
+    that overrides only ``estimate`` would not be called); otherwise ``score``, with a log line
+    that names the reason. An explicit ``score`` or
     ``critic`` is returned unchanged.
     """
     if config.old_values != "auto":
@@ -140,6 +142,9 @@ def resolve_old_values(
         reasons.append(f"model.estimator={type(estimator).__name__} has no per-row value targets")
     elif type(critic).chunk_loss is not CriticModule.chunk_loss:
         reasons.append(f"{type(critic).__name__} overrides chunk_loss")
+    elif _defines(type(estimator), "estimate") is not _defines(type(estimator), "chunk_targets"):
+        # A subclass's own estimate() would never run: the first epoch calls chunk_targets.
+        reasons.append(f"{type(estimator).__name__} overrides estimate but not chunk_targets")
     if config.critic_minibatches != 1:
         reasons.append(f"model.ppo.critic_minibatches={config.critic_minibatches}")
     if not config.disable_dropout:
@@ -147,6 +152,11 @@ def resolve_old_values(
     if reasons and critic is not None:
         rank_zero_info("model.ppo.old_values=auto: score (" + "; ".join(reasons) + ")")
     return dataclasses.replace(config, old_values="score" if reasons else "critic")
+
+
+def _defines(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose own namespace defines ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))
 
 
 def check_old_values(config: PPOConfig, estimator: AdvantageEstimator) -> None:

@@ -163,6 +163,13 @@ class OwnLoss(CriticModule):
         return super().chunk_loss(chunk, sums)
 
 
+class OwnEstimate(GAE):
+    """A user's GAE with its own ``estimate`` (the first critic epoch would not call it)."""
+
+    def estimate(self, inputs):
+        return super().estimate(inputs)
+
+
 @pytest.mark.parametrize(
     ("ppo", "estimator", "critic", "want"),
     [
@@ -170,6 +177,7 @@ class OwnLoss(CriticModule):
         ({"critic_minibatches": 2}, GAE(), CriticModule, "score"),
         ({"disable_dropout": False}, GAE(), CriticModule, "score"),
         ({}, GAE(), OwnLoss, "score"),
+        ({}, OwnEstimate(), CriticModule, "score"),
         ({}, GRPO(), None, "score"),
         ({"old_values": "score"}, GAE(), CriticModule, "score"),
     ],
