@@ -118,6 +118,17 @@ def test_every_shell_block_is_marked() -> None:
     )
 
 
+def test_readme_is_a_front_door() -> None:
+    """README.md stays short (at most 250 lines) and every relative link in it resolves."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250, "README.md is over 250 lines: move detail to docs/"
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if not re.match(r"[a-z]+:", t)]
+    assert local, "README.md links to no page of docs/"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
 SYNTHETIC = """\
 # Title
 
