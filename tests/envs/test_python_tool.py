@@ -42,7 +42,8 @@ def test_infinite_loop_is_stopped() -> None:
 
 
 def test_endless_output_is_cut() -> None:
-    result = run_python("while True:\n    print('x' * 1000)", timeout_s=0.5, max_output_chars=100)
+    # 3 s: on a loaded machine the interpreter may not print within 0.5 s (CI saw empty stdout)
+    result = run_python("while True:\n    print('x' * 1000)", timeout_s=3, max_output_chars=100)
     assert result.timed_out and len(result.stdout) <= 100 and "chars cut" in result.stdout
 
 
