@@ -55,11 +55,16 @@ class PPOConfig:
             0 at setup (as TRL and verl do for RL): old log-probabilities are scored without
             dropout, so with dropout left on in training the first ratio would not be 1.
         old_logprobs: where π_old log-probabilities come from: ``recompute`` (a forward pass
-            of the actor over every row in the score phase) or ``rollout`` (the engine's
-            sampling log-probabilities, ``gen_logprobs``: one forward pass fewer per
-            iteration; exact when the engine samples from the actor's current weights at the
-            same temperature with no top-p / top-k / min-new-tokens truncation, e.g. the
-            default ``HFGenerateEngine``; otherwise the PPO ratio is off-policy).
+            of the actor over every row in the score phase), ``actor`` (the actor's first
+            training epoch computes them, chunk by chunk: one forward pass fewer per
+            iteration, the same numbers up to round-off; it needs no KL penalty in the
+            reward, ``actor_minibatches: 1``, ``disable_dropout: true`` and no critic
+            warmup, :func:`~lppo.old_logprobs.actor_epoch_obstacles`), ``auto`` (the
+            default: ``actor`` where it is exact, else ``recompute``, logged at setup) or
+            ``rollout`` (the engine's sampling log-probabilities, ``gen_logprobs``: exact
+            when the engine samples from the actor's current weights at the same
+            temperature with no top-p / top-k / min-new-tokens truncation, e.g. the default
+            ``HFGenerateEngine``; otherwise the PPO ratio is off-policy).
         old_values: where the critic's old values come from: ``score`` (a forward pass of the
             critic over every row in the score phase) or ``critic`` (the critic's first
             training epoch computes them, and the advantages and returns, chunk by chunk: one
@@ -96,7 +101,7 @@ class PPOConfig:
     transactional: bool = False
     max_failed_iterations: int = 0
     disable_dropout: bool = True
-    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    old_logprobs: Literal["auto", "recompute", "actor", "rollout"] = "auto"
     old_values: Literal["auto", "score", "critic"] = "auto"
 
     def __post_init__(self) -> None:
@@ -151,9 +156,10 @@ class PPOConfig:
         check_number("model.ppo.overlong_penalty", self.overlong_penalty, low=0)
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise SettingError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
-        if self.old_logprobs not in ("recompute", "rollout"):
+        if self.old_logprobs not in ("auto", "recompute", "actor", "rollout"):
             raise SettingError(
-                f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'recompute' or 'rollout'."
+                f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'auto', 'recompute', "
+                "'actor' or 'rollout'."
             )
         self._check_old_values()
         check_number(

@@ -5,7 +5,9 @@ rollout source put them) and is, in order:
 
 1. **collect**: the rows are claimed and every rank's row layout is gathered once;
 2. **score** (:class:`~lppo.score_phase.ScorePhase`): π_old and reference log-probabilities,
-   old values and reward-model scores, streamed chunk by chunk and written back as columns;
+   old values and reward-model scores, streamed chunk by chunk and written back as columns
+   (π_old during the actor's first epoch with ``ppo.old_logprobs: actor``,
+   :mod:`lppo.old_logprobs`);
 3. **advantages** (:class:`~lppo.critic_targets.AdvantagePhase`): the advantage estimator
    writes advantages and returns (with ``ppo.old_values: critic``, during the critic's first
    epoch);
@@ -22,7 +24,6 @@ normalizers, equal chunk counts), and statistics that span rows are reduced over
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from lppo.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule, PPOModule
 from lppo.modules.reward_model import RewardModel
 from lppo.modules.snapshot import Transaction
+from lppo.old_logprobs import FirstEpochLogprobs, resolve_old_logprobs
 from lppo.parallel import ParallelContext
 from lppo.planner import RowLayout
 from lppo.replay.rollout_rows import StoredRollout
@@ -107,9 +109,9 @@ class PPOController:
         self.critic = critic
         self.data = data
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
-        self.config = resolve_old_values(
-            config if config is not None else PPOConfig(), self.estimator, critic
-        )
+        given = config if config is not None else PPOConfig()
+        given = resolve_old_values(given, self.estimator, critic)
+        self.config = resolve_old_logprobs(given, self.estimator, actor)
         if (self.config.kl_coef > 0 or actor.needs_reference) and reference is None:
             raise ValueError(
                 f"model.ppo.kl_coef={self.config.kl_coef} with model.actor.init_args."
@@ -238,6 +240,9 @@ class PPOController:
             self.data.store, step, group, cfg.kl_coef, cfg.kl_kind, turn_rewards=multi_turn
         )
         targets = self.advantages.start(inputs, stats)
+        old_policy = None
+        if cfg.old_logprobs == "actor":  # π_old: the actor's first epoch computes it
+            old_policy = FirstEpochLogprobs(self.data.store, step, self.actor.off_policy, group)
         clock = _lap(seconds, "advantages", clock)
 
         # 4. critic epochs, 5. actor epochs (none during critic warmup)
@@ -251,7 +256,7 @@ class PPOController:
             if rollout.sampling is not None:  # dynamic sampling: train on what there is
                 minibatches = min(minibatches, max(valid_rows, 1))
             first = len(ctx.step_stats)
-            first_epoch = targets if phase == "critic" else None
+            first_epoch = targets if phase == "critic" else old_policy
             padding[phase] = self._train_phase(
                 ctx, rows, (phase, module, epochs, minibatches), dropped, first_epoch, stats
             )
@@ -286,7 +291,7 @@ class PPOController:
         rows: RowLayout,
         what: tuple[str, PPOModule, int, int],
         dropped: int,
-        targets: FirstEpochTargets | None,
+        targets: FirstEpochTargets | FirstEpochLogprobs | None,
         stats: RolloutStats,
     ) -> float:
         """``epochs`` × ``minibatches`` optimizer steps of ``module`` over streamed chunks.
@@ -296,10 +301,11 @@ class PPOController:
             rows: every rank's rows (what the plans are made of).
             what: ``(phase, module, epochs, minibatches)``.
             dropped: every rank's dropped samples (against the drop budget).
-            targets: the critic's first-epoch targets under ``old_values: critic`` (the
-                epoch's chunks carry them instead of old values and returns, which it
-                writes; the advantages are finished after that epoch).
-            stats: the iteration's statistics (the finished advantages' metrics go here).
+            targets: what the first epoch computes besides its step: the critic's targets
+                under ``old_values: critic`` (the chunks carry them instead of old values and
+                returns, which they write; the advantages are finished after that epoch), or
+                the actor's π_old under ``old_logprobs: actor`` (instead of ``old_logprobs``).
+            stats: the iteration's statistics (the first epoch's metrics go here).
 
         Returns:
             The plans' padding fraction, mean over the epochs.
@@ -321,11 +327,11 @@ class PPOController:
                 ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step
                 module.begin(step)
                 self._emit("on_train_step_start", ctx)
-                columns = fused.columns if fused is not None else names
+                columns = fused.columns(names) if fused is not None else names
                 for c, chunk in enumerate(self.data.stream(step, columns)):
                     ctx.chunk = c
                     if fused is not None:
-                        chunk = dataclasses.replace(chunk, targets=fused)
+                        chunk = fused.attach(chunk)
                     self._emit("on_chunk_end", ctx, module.train_chunk(chunk))
                 ctx.chunk = -1
                 self._emit("on_train_step_end", ctx)
@@ -337,8 +343,9 @@ class PPOController:
                     )
                 ctx.module = ctx.plan = None
             self._emit("on_phase_epoch_end", ctx)
-            if fused is not None:  # 3. for old_values=critic: whiten (before the actor)
+            if isinstance(fused, FirstEpochTargets):  # 3. for old_values=critic: whiten
                 ctx.phase = "advantages"
+            if fused is not None:
                 stats.update(fused.finish())
         return padding
 

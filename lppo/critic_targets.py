@@ -87,10 +87,13 @@ class FirstEpochTargets:
         self.moments = TargetMoments()
         self.rows: set[int] = set()
 
-    @property
-    def columns(self) -> list[str]:
-        """Columns the first epoch's chunks must hold: the estimator's reward columns."""
+    def columns(self, names: list[str]) -> list[str]:
+        """The first epoch's columns: the estimator's reward columns instead of ``names``."""
         return self.inputs.reward_columns
+
+    def attach(self, chunk: Chunk) -> Chunk:
+        """``chunk`` with these targets as its ``targets``."""
+        return dataclasses.replace(chunk, targets=self)
 
     def __call__(self, chunk: Chunk, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the chunk's old values, advantages and returns; return ``(values, returns)``.

@@ -2,9 +2,10 @@
 
 :func:`rollout_stats` reduces the rollout's per-row scalars over the data-parallel ranks.
 :class:`ScorePhase` streams the iteration's rows once without gradients and writes back, per
-chunk, π_old log-probabilities (or the engine's: ``ppo.old_logprobs: rollout``), reference
-log-probabilities (KL on), the critic's old values (``ppo.old_values: score``) and a reward
-model's scores, which it then combines with the task's reward, row by row.
+chunk, π_old log-probabilities (or the engine's: ``ppo.old_logprobs: rollout``; none with
+``actor``, whose first epoch computes them), reference log-probabilities (KL on), the
+critic's old values (``ppo.old_values: score``) and a reward model's scores, which it then
+combines with the task's reward, row by row.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class ScorePhase:
 
     Also measures the engine/trainer mismatch on every sampled token (π_old against the
     engine's ``gen_logprobs``): ``mismatch_kl``, ``mismatch_max_abs_log_ratio`` and
-    ``mismatch_outside_fraction`` (bounds of ``actor.off_policy``), always on.
+    ``mismatch_outside_fraction`` (bounds of ``actor.off_policy``), always on (with
+    ``old_logprobs: actor`` the actor's first epoch measures it).
 
     Args:
         actor: the policy (π_old).
@@ -122,33 +124,38 @@ class ScorePhase:
         self.reward_model = reward_model
         self.data = data
         self.reuse_engine_logprobs = config.old_logprobs == "rollout"
+        self.score_actor = config.old_logprobs == "recompute"
         self.group = group
 
     @property
     def models(self) -> list[torch.nn.Module]:
         """The modules whose forwards this phase runs (each rank its own number of them)."""
-        actor = None if self.reuse_engine_logprobs else self.actor
+        actor = self.actor if self.score_actor else None
         found = (actor, self.critic, self.reference, self.reward_model)
         return [m for m in found if m is not None]
 
     @torch.no_grad()
     def run(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
         """Score this rank's rows (``step``: the whole phase as one step); return metrics."""
+        if not self.models and not self.reuse_engine_logprobs:
+            return {}  # old_logprobs: actor, and nothing else to score
         scores: dict[int, float] = {}
         mismatch = Mismatch()
         for c, chunk in enumerate(self.data.stream(step, [GEN_LOGPROBS])):
             if chunk.is_padding:
                 continue
             ctx.chunk = c
-            gen = chunk.gen_logprobs
-            assert gen is not None
-            if self.reuse_engine_logprobs:  # μ, masked as actor.score masks
-                old = torch.where(chunk.response_mask, gen, torch.zeros_like(gen))
-            else:
-                old = self.actor.score(chunk)
-            # With old_logprobs=rollout, π_old is μ: the mismatch (and every IS weight) is 0 / 1.
-            mismatch.add(old.cpu(), gen, chunk.response_mask, self.actor.off_policy)
-            columns = {OLD_LOGPROBS: unpad(chunk, old)}
+            columns = {}
+            if self.score_actor or self.reuse_engine_logprobs:
+                gen = chunk.gen_logprobs
+                assert gen is not None
+                if self.reuse_engine_logprobs:  # μ, masked as actor.score masks
+                    old = torch.where(chunk.response_mask, gen, torch.zeros_like(gen))
+                else:
+                    old = self.actor.score(chunk)
+                # old_logprobs=rollout: π_old is μ, the mismatch (every IS weight) is 0 (1).
+                mismatch.add(old.cpu(), gen, chunk.response_mask, self.actor.off_policy)
+                columns[OLD_LOGPROBS] = unpad(chunk, old)
             if self.critic is not None:
                 columns[VALUES] = unpad(chunk, self.critic.score(chunk))
             if self.reference is not None:
@@ -158,8 +165,10 @@ class ScorePhase:
                 scores.update(zip(chunk.row_ids, rows, strict=True))
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
-        mismatch.all_reduce(self.group)  # each rank scored only its own rows
-        stats = mismatch.metrics()
+        stats = {}
+        if self.score_actor or self.reuse_engine_logprobs:  # else the actor's first epoch
+            mismatch.all_reduce(self.group)  # each rank scored only its own rows
+            stats = mismatch.metrics()
         if self.reward_model is not None:
             stats.update(self.combine_rewards(self.reward_model, scores))
         return stats

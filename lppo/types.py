@@ -164,6 +164,9 @@ class Chunk:
             ``values`` and ``returns`` are ``None``): maps ``(chunk, values)``, the critic's
             detached ``float[B, T]`` values of this chunk, to ``(old values, returns)`` and
             stores them with the rows' advantages.
+        record_old_logprobs: in the actor's first epoch under ``model.ppo.old_logprobs: actor``
+            (then ``old_logprobs`` is ``None``): maps ``(chunk, logprobs)``, the actor's
+            detached ``float[B, T]`` log-probabilities of this chunk, to π_old and stores it.
     """
 
     row_ids: tuple[int, ...]
@@ -180,6 +183,7 @@ class Chunk:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     is_padding: bool = False
     targets: Callable[[Chunk, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    record_old_logprobs: Callable[[Chunk, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_valid_tokens(self) -> int:

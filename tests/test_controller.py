@@ -62,8 +62,8 @@ def make_controller(store=None, budget=30, drop_budget=0, callbacks=(), **cfg):
     if cfg.get("kl_coef", 0.0) > 0:
         reference = ActorModule(tiny_lm(seed=7))
     gae = {k: cfg.pop(k) for k in ("gamma", "lam", "lam_returns", "whiten") if k in cfg}
-    # score: Probe reads the score phase's values at the first epoch's start
-    config = PPOConfig(**{"old_values": "score", **cfg})
+    # score, recompute: Probe reads the scored columns at the first epoch's start
+    config = PPOConfig(**{"old_values": "score", "old_logprobs": "recompute", **cfg})
     return PPOController(
         actor,
         critic,

@@ -217,20 +217,21 @@ class ActorModule(PPOModule):
 
         Records the diagnostics :meth:`metrics` reports.
         """
-        if chunk.old_logprobs is None or chunk.advantages is None:
+        first_epoch = chunk.record_old_logprobs
+        if (chunk.old_logprobs is None and first_epoch is None) or chunk.advantages is None:
             raise ValueError("actor chunks need old_logprobs and advantages columns.")
         logprobs, entropy = self.token_logprobs(chunk, with_entropy=True)
         assert entropy is not None
         mask = chunk.response_mask
-        terms = self.objective(
-            logprobs,
-            chunk.old_logprobs.to(logprobs.dtype),
-            chunk.advantages.to(logprobs.dtype),
-            mask,
-        )
+        if first_epoch is not None:  # model.ppo.old_logprobs: actor; π_θ is π_old here
+            old = first_epoch(chunk, logprobs.detach())
+        else:
+            assert chunk.old_logprobs is not None
+            old = chunk.old_logprobs.to(logprobs.dtype)
+        terms = self.objective(logprobs, old, chunk.advantages.to(logprobs.dtype), mask)
         loss = terms.loss
         if self.off_policy.enabled:
-            loss = loss * self._importance_weights(chunk, logprobs, sums)
+            loss = loss * self._importance_weights(chunk, old, logprobs, sums)
         policy = loss
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy
@@ -272,16 +273,16 @@ class ActorModule(PPOModule):
         return self.kl_loss_coef > 0
 
     def _importance_weights(
-        self, chunk: Chunk, logprobs: torch.Tensor, sums: SumStats
+        self, chunk: Chunk, old: torch.Tensor, logprobs: torch.Tensor, sums: SumStats
     ) -> torch.Tensor:
         """Detached per-token weights ``π_old / μ`` of the chunk (see ``off_policy``)."""
-        if chunk.gen_logprobs is None or chunk.old_logprobs is None:
+        if chunk.gen_logprobs is None:
             raise ValueError(
                 "model.actor.init_args.off_policy is on but the chunk has no gen_logprobs "
                 "column; the controller reads it when actor.off_policy.enabled."
             )
         iw = importance_weights(
-            chunk.old_logprobs.to(logprobs.dtype),
+            old,
             chunk.gen_logprobs.to(logprobs.dtype),
             self.off_policy,
         )

@@ -55,11 +55,11 @@ def stale_correction(
     s = settings.max_staleness
     if s == 0:
         return correction.resolved(stale=False)
-    if old_logprobs != "recompute":
+    if old_logprobs == "rollout":
         raise SettingError(
             f"model.ppo.old_logprobs={old_logprobs!r} with model.rollout.max_staleness={s}: "
             "π_old must be recomputed by the trainer when rows are sampled from an older "
-            "policy; set old_logprobs: recompute."
+            "policy; set old_logprobs: auto (or recompute)."
         )
     if correction.mode == "none" and not settings.allow_uncorrected_staleness:
         raise SettingError(
