@@ -170,24 +170,10 @@ class PPOConfig:
         )
 
     def _check_old_values(self) -> None:
+        # Whether ``critic`` is exact here depends on the modules too: resolve_old_values.
         if self.old_values not in ("auto", "score", "critic"):
             raise SettingError(
                 f"model.ppo.old_values={self.old_values!r}; use 'auto', 'score' or 'critic'."
-            )
-        if self.old_values != "critic":
-            return
-        if self.critic_minibatches != 1:
-            raise SettingError(
-                f"model.ppo.old_values=critic needs model.ppo.critic_minibatches=1 (got "
-                f"{self.critic_minibatches}): a step inside the first epoch would change the "
-                "critic before every row is valued; set critic_minibatches: 1 or "
-                "old_values: score."
-            )
-        if not self.disable_dropout:
-            raise SettingError(
-                "model.ppo.old_values=critic needs model.ppo.disable_dropout=true: with "
-                "dropout the training forward pass would not give the old values; set "
-                "disable_dropout: true or old_values: score."
             )
 
     def row_rules(self, max_new_tokens: int) -> RowRules:

@@ -119,7 +119,7 @@ class PPOController:
                 "(PPOSystem builds a frozen copy of the actor) or set both to 0."
             )
         self.reference = reference
-        self.advantages = AdvantagePhase(self.estimator, critic, self.config)
+        self.advantages = AdvantagePhase(self.estimator, self.config)
         self.parallel = parallel if parallel is not None else ParallelContext()
         for module in self.trainable_modules():
             module.parallel = self.parallel

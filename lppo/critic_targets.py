@@ -1,8 +1,9 @@
 """Step 3 of an iteration, the advantages: now, or during the critic's first epoch.
 
-:class:`AdvantagePhase` is the one place that decides when the advantage estimator runs
-(``model.ppo.old_values``) and checks that the estimator, the critic and that setting fit
-together. With ``old_values: score`` it runs the estimator on the scored rows.
+:func:`resolve_old_values` checks that the estimator, the critic and
+``model.ppo.old_values`` fit together and decides when the advantage estimator runs;
+:class:`AdvantagePhase` runs it then. With ``old_values: score`` it runs the estimator on the
+scored rows.
 
 With ``old_values: critic`` and one optimizer step per critic epoch, the critic's weights
 through its first epoch are the weights the score phase would have run it with, so that
@@ -30,12 +31,13 @@ from lppo.estimators.base import (
 )
 from lppo.modules import CriticModule
 from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk, RolloutStats
+from lppo.validation import SettingError
 
 __all__ = [
     "AdvantagePhase",
     "FirstEpochTargets",
     "check_critic",
-    "check_old_values",
+    "critic_epoch_obstacles",
     "resolve_old_values",
 ]
 
@@ -45,19 +47,12 @@ class AdvantagePhase:
 
     Args:
         estimator: the advantage estimator.
-        critic: the value model (``None`` with a critic-free estimator).
-        config: the algorithm settings (``old_values``).
-
-    Raises:
-        ValueError: the estimator, the critic and ``model.ppo.old_values`` do not fit
-            together (the message names the keys and the fix).
+        config: the algorithm settings, ``old_values`` resolved (:func:`resolve_old_values`).
     """
 
-    def __init__(
-        self, estimator: AdvantageEstimator, critic: CriticModule | None, config: PPOConfig
-    ) -> None:
-        check_critic(critic, estimator)
-        check_old_values(config, estimator)
+    def __init__(self, estimator: AdvantageEstimator, config: PPOConfig) -> None:
+        if config.old_values == "auto":
+            raise ValueError("AdvantagePhase needs old_values resolved: resolve_old_values().")
         self.estimator = estimator
         self.deferred = config.old_values == "critic"
 
@@ -124,34 +119,59 @@ class FirstEpochTargets:
         return self.estimator.finish_targets(self.inputs, self.moments)
 
 
-def resolve_old_values(
+def critic_epoch_obstacles(
     config: PPOConfig, estimator: AdvantageEstimator, critic: CriticModule | None
-) -> PPOConfig:
-    """``config`` with ``old_values: auto`` made ``critic`` or ``score``.
+) -> list[str]:
+    """Why the critic's first epoch cannot compute the old values exactly here (empty: it can).
 
-    ``critic`` (one critic forward pass fewer per iteration, the same numbers to round-off)
-    wherever it applies: a critic, an estimator with per-row value targets (``GAE``),
-    ``critic_minibatches: 1``, ``disable_dropout: true``, a critic whose ``chunk_loss`` is
+    It can with a critic, an estimator with per-row value targets (``GAE``),
+    ``critic_minibatches: 1`` (no step changes the critic before every row is valued),
+    ``disable_dropout: true``, a critic whose ``chunk_loss`` is
     :class:`~lppo.modules.CriticModule`'s (a subclass's own may not read ``chunk.targets``) and
     an estimator whose ``estimate`` comes from the class of its ``chunk_targets`` (a subclass
-    that overrides only ``estimate`` would not be called); otherwise ``score``, with a log line
-    that names the reason. An explicit ``score`` or
-    ``critic`` is returned unchanged.
+    that overrides only ``estimate`` would not be called).
     """
-    if config.old_values != "auto":
-        return config
     reasons = []
     if critic is None or not isinstance(estimator, ValueTargets) or not estimator.uses_critic:
         reasons.append(f"model.estimator={type(estimator).__name__} has no per-row value targets")
     elif type(critic).chunk_loss is not CriticModule.chunk_loss:
         reasons.append(f"{type(critic).__name__} overrides chunk_loss")
     elif _defines(type(estimator), "estimate") is not _defines(type(estimator), "chunk_targets"):
-        # A subclass's own estimate() would never run: the first epoch calls chunk_targets.
         reasons.append(f"{type(estimator).__name__} overrides estimate but not chunk_targets")
     if config.critic_minibatches != 1:
         reasons.append(f"model.ppo.critic_minibatches={config.critic_minibatches}")
     if not config.disable_dropout:
         reasons.append("model.ppo.disable_dropout=false")
+    return reasons
+
+
+def resolve_old_values(
+    config: PPOConfig, estimator: AdvantageEstimator, critic: CriticModule | None
+) -> PPOConfig:
+    """``config`` with ``old_values: auto`` made ``critic`` or ``score``, the critic checked.
+
+    ``critic`` (one critic forward pass fewer per iteration, the same numbers to round-off)
+    wherever :func:`critic_epoch_obstacles` finds none, else ``score`` with a log line that
+    names them. An explicit ``score`` is returned unchanged.
+
+    Raises:
+        ValueError: a critic the estimator ignores, or a missing one it needs
+            (:func:`check_critic`).
+        SettingError: an explicit ``old_values: critic`` where it would not be exact (the
+            message names each obstacle).
+    """
+    check_critic(critic, estimator)
+    if config.old_values == "score":
+        return config
+    reasons = critic_epoch_obstacles(config, estimator, critic)
+    if config.old_values == "critic":
+        if reasons:
+            raise SettingError(
+                "model.ppo.old_values=critic would not give the old values exactly: "
+                + "; ".join(reasons)
+                + ". Change those, or set old_values: score (or auto)."
+            )
+        return config
     if reasons and critic is not None:
         rank_zero_info("model.ppo.old_values=auto: score (" + "; ".join(reasons) + ")")
     return dataclasses.replace(config, old_values="score" if reasons else "critic")
@@ -160,25 +180,6 @@ def resolve_old_values(
 def _defines(cls: type, name: str) -> type:
     """The class of ``cls``'s MRO whose own namespace defines ``name``."""
     return next(c for c in cls.__mro__ if name in vars(c))
-
-
-def check_old_values(config: PPOConfig, estimator: AdvantageEstimator) -> None:
-    """Reject ``model.ppo.old_values: critic`` without a critic estimator with per-row targets.
-
-    (The settings it needs inside ``model.ppo`` are checked by :class:`PPOConfig`; a missing
-    critic, which such an estimator needs, by the controller's critic check.)
-
-    Raises:
-        ValueError: naming ``model.ppo.old_values``, the estimator and the fix.
-    """
-    if config.old_values != "critic":
-        return
-    if not isinstance(estimator, ValueTargets) or not estimator.uses_critic:
-        raise ValueError(
-            f"model.ppo.old_values=critic needs an estimator that uses the critic and has "
-            f"per-row value targets (chunk_targets / finish_targets, like lppo.estimators.GAE); "
-            f"model.estimator={type(estimator).__name__} has none. Set old_values: score."
-        )
 
 
 def check_critic(critic: CriticModule | None, estimator: AdvantageEstimator) -> None:
