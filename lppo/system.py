@@ -38,6 +38,7 @@ from lppo.rollout.pipeline import RolloutPipeline, default_runner, stale_correct
 from lppo.rollout.runners import RolloutRunner
 from lppo.run_log import RunLog
 from lppo.strategy import check_strategy, parallel_context
+from lppo.tail import switch_off_under_sharding
 from lppo.tasks import Task
 from lppo.tokenizer import build_char_tokenizer, check_task_coverage
 from lppo.types import IterationResult
@@ -188,6 +189,9 @@ class PPOSystem(LightningModule):
             parallel = parallel_context(trainer.strategy)
             callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
         r = self.rollout
+        if parallel.layout.shards_weights():
+            name = type(parallel.layout).__name__
+            switch_off_under_sharding((self.actor, self.critic, self.reference), name)
         if parallel.layout.shards_weights() and (r.max_staleness or not self.runner.live_weights):
             raise SettingError(
                 f"trainer.strategy shards the weights ({type(parallel.layout).__name__}) but "

@@ -22,17 +22,43 @@ Supported: bodies whose blocks have Llama's layout (``input_layernorm``, ``self_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lppo.validation import SettingError
 
 #: ``config.model_type`` values whose blocks have the layout :class:`TailBlock` computes.
 TRIMMABLE = ("llama", "mistral", "qwen2")
+
+
+#: A module's ``trim_prompt`` setting: on, off, or ``auto`` (on wherever it applies).
+TrimSetting = bool | Literal["auto"]
+
+
+def untrimmable(body: nn.Module) -> str | None:
+    """Why ``body`` (a Hugging Face base model) cannot run :func:`trimmed` (``None``: it can)."""
+    config = getattr(body, "config", None)
+    kind = getattr(config, "model_type", None)
+    layers = getattr(body, "layers", None)
+    attn = getattr(layers[-1], "self_attn", None) if layers else None
+    plain = attn is not None and not hasattr(attn, "q_norm") and hasattr(attn, "q_proj")
+    windowed = getattr(config, "sliding_window", None) and getattr(
+        config, "use_sliding_window", kind == "mistral"
+    )
+    # The tail reads HF's 4-D mask (sdpa / eager); flash and flex pass other mask types.
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if kind not in TRIMMABLE or not plain or windowed or attention not in ("sdpa", "eager"):
+        return (
+            f"it needs a {'/'.join(TRIMMABLE)} model without sliding-window attention, with "
+            f"attn_implementation sdpa or eager, got model_type={kind!r}, "
+            f"attn_implementation={attention!r}"
+        )
+    return None
 
 
 def check_trimmable(body: nn.Module, key: str) -> None:
@@ -45,22 +71,57 @@ def check_trimmable(body: nn.Module, key: str) -> None:
     Raises:
         SettingError: naming the key, the model type and the fix.
     """
-    config = getattr(body, "config", None)
-    kind = getattr(config, "model_type", None)
-    layers = getattr(body, "layers", None)
-    attn = getattr(layers[-1], "self_attn", None) if layers else None
-    plain = attn is not None and not hasattr(attn, "q_norm") and hasattr(attn, "q_proj")
-    windowed = getattr(config, "sliding_window", None) and getattr(
-        config, "use_sliding_window", kind == "mistral"
-    )
-    # The tail reads HF's 4-D mask (sdpa / eager); flash and flex pass other mask types.
-    attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    if kind not in TRIMMABLE or not plain or windowed or attention not in ("sdpa", "eager"):
-        raise SettingError(
-            f"{key}=true needs a {'/'.join(TRIMMABLE)} model without sliding-window attention, "
-            f"with attn_implementation sdpa or eager, got model_type={kind!r}, "
-            f"attn_implementation={attention!r}; set {key}=false."
-        )
+    if (reason := untrimmable(body)) is not None:
+        raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
+
+
+def resolve_trim(setting: TrimSetting, body: nn.Module | None, key: str) -> bool:
+    """A module's ``trim_prompt`` setting made ``True`` or ``False`` for ``body``.
+
+    ``auto`` is on wherever :func:`untrimmable` finds nothing against ``body`` (``None``: a
+    model that is not a Hugging Face body, or one PEFT wrapped), else off with a log line
+    naming the reason; ``true`` is checked.
+
+    Raises:
+        SettingError: ``true`` for a body that cannot run :func:`trimmed`.
+    """
+    if setting is False:
+        return False
+    if body is None:
+        reason = "the model is not a plain Hugging Face body (LoRA or megatron)"
+        if setting is True:
+            raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
+        rank_zero_info(f"{key}=auto: off ({reason})")
+        return False
+    if setting is True:
+        check_trimmable(body, key)
+        return True
+    if (reason := untrimmable(body)) is not None:
+        rank_zero_info(f"{key}=auto: off ({reason})")
+        return False
+    return True
+
+
+def switch_off_under_sharding(modules: Iterable[Any], layout_name: str) -> None:
+    """Turn ``trim_prompt`` off on ``modules`` trained under a layout that shards weights.
+
+    The trimmed last block calls the block's submodules directly, past the per-block hooks
+    that gather a sharded block's weights (``ppo_fsdp``).
+
+    Raises:
+        SettingError: a module whose ``trim_prompt_setting`` is an explicit ``true``.
+    """
+    for module in modules:
+        if not getattr(module, "trim_prompt", False):
+            continue
+        key = f"{module.config_key}.trim_prompt"
+        if module.trim_prompt_setting is True:
+            raise SettingError(
+                f"{key}=true under {layout_name}, which shards the weights: the trimmed last "
+                f"block would bypass its per-block all-gather; set {key}: false (or auto)."
+            )
+        rank_zero_info(f"{key}=auto: off (under {layout_name}, which shards the weights)")
+        module.trim_prompt = False
 
 
 def response_start(response_mask: torch.Tensor) -> int:

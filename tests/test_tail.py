@@ -18,8 +18,9 @@ from lppo.config import PPOConfig
 from lppo.data import ReplayDataModule
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule, RewardModel
+from lppo.modules.lora import LoRA
 from lppo.system import PPOSystem, RolloutSettings
-from lppo.tail import TailBlock, check_trimmable, response_start, trimmed
+from lppo.tail import TailBlock, check_trimmable, response_start, switch_off_under_sharding, trimmed
 from lppo.tasks import CopyTask
 from lppo.trainer import PPOTrainer
 from lppo.types import Chunk
@@ -134,6 +135,47 @@ def test_unsupported_models_are_rejected_naming_the_key() -> None:
     flex.config._attn_implementation = "flex_attention"
     with pytest.raises(SettingError, match="attn_implementation='flex_attention'"):
         check_trimmable(flex.base_model, "model.critic.init_args.trim_prompt")
+
+
+def test_auto_trims_wherever_it_applies_and_says_why_not_elsewhere(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The default, trim_prompt=auto: on for a plain Llama, off (logged) for GPT-2 and LoRA."""
+    small = {"hidden_size": 16, "num_heads": 2, "num_layers": 2, "intermediate_size": 32}
+    on = ActorModule(HFCausalLM(**small))
+    on.configure_model(VOCAB, 0, 1, 2)
+    assert on.trim_prompt_setting == "auto" and on.trim_prompt is True
+    critic = CriticModule(HFCausalLM(**small))
+    critic.configure_model(VOCAB, 0, 1, 2)
+    assert critic.trim_prompt is True
+    reward = RewardModel(HFCausalLM(**small))
+    reward.configure_model(VOCAB, 0, 1, 2)
+    assert reward.trim_prompt is True
+    with caplog.at_level("INFO"):
+        gpt2 = ActorModule(HFCausalLM(architecture="gpt2", **small))
+        gpt2.configure_model(VOCAB, 0, 1, 2)
+        adapted = CriticModule(HFCausalLM(**small), lora=LoRA())
+        adapted.configure_model(VOCAB, 0, 1, 2)
+    assert gpt2.trim_prompt is False and adapted.trim_prompt is False
+    assert "model.actor.init_args.trim_prompt=auto: off (" in caplog.text
+    assert "model_type='gpt2'" in caplog.text
+    assert "model.critic.init_args.trim_prompt=auto: off (the model is not a plain" in caplog.text
+    with pytest.raises(SettingError, match=r"trim_prompt=true with .*lora"):
+        CriticModule(HFCausalLM(**small), lora=LoRA(), trim_prompt=True)
+
+
+def test_a_layout_that_shards_weights_switches_auto_off_and_refuses_true() -> None:
+    """Under ppo_fsdp the trimmed block would bypass the per-block all-gather."""
+    small = {"hidden_size": 16, "num_heads": 2, "num_layers": 2, "intermediate_size": 32}
+    auto, explicit = ActorModule(HFCausalLM(**small)), CriticModule(HFCausalLM(**small))
+    explicit.trim_prompt_setting = True
+    for module in (auto, explicit):
+        module.configure_model(VOCAB, 0, 1, 2)
+        assert module.trim_prompt is True
+    switch_off_under_sharding([auto, None], "FSDPLayout")
+    assert auto.trim_prompt is False
+    with pytest.raises(SettingError, match=r"critic.init_args.trim_prompt=true under FSDPLayout"):
+        switch_off_under_sharding([explicit], "FSDPLayout")
 
 
 def fit(root: Path, trim: bool) -> PPOSystem:

@@ -15,7 +15,7 @@ from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
 from lppo.stats import SumStats
-from lppo.tail import check_trimmable, response_start, trimmed
+from lppo.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.types import Chunk
 from lppo.validation import SettingError, check_number
 
@@ -74,7 +74,9 @@ class ActorModule(PPOModule):
         trim_prompt: run the model's last block and LM head only from the position before
             the chunk's first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2
             models): the same log-probabilities to round-off, less work per chunk. Also used
-            by the reference, a copy of the actor.
+            by the reference, a copy of the actor. ``auto`` (the default): on wherever it
+            applies, off with a log line for other models, LoRA and layouts that shard the
+            weights (:func:`~lppo.tail.resolve_trim`).
         lora: train LoRA adapters instead of the model (:mod:`lppo.modules.lora`, the
             ``[lora]`` extra): only adapters train and hold optimizer state; the reference is
             the model with adapters disabled; engines and export get the merged weights.
@@ -93,7 +95,7 @@ class ActorModule(PPOModule):
         kl_loss_coef: float = 0.0,
         kl_loss_kind: KLKind = "k3",
         off_policy: OffPolicyCorrection = OffPolicyCorrection(),
-        trim_prompt: bool = False,
+        trim_prompt: TrimSetting = "auto",
         lora: LoRA | None = None,
         **kwargs: Any,
     ) -> None:
@@ -117,7 +119,9 @@ class ActorModule(PPOModule):
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_kind: KLKind = kl_loss_kind
         self.off_policy = off_policy
-        self.trim_prompt = trim_prompt
+        #: The ``trim_prompt`` argument; :attr:`trim_prompt` is what it resolved to at setup.
+        self.trim_prompt_setting: TrimSetting = trim_prompt
+        self.trim_prompt = False
         self.lora = lora
         self._merged: MergedPolicy | None = None
         self.temperature = 1.0
@@ -143,8 +147,9 @@ class ActorModule(PPOModule):
         if self.lora is not None and not is_adapted(self.model):
             self._merged = MergedPolicy(self.model)  # before wrapping: the plain base model
             self.model = self.lora.wrap(self.model)
-        if self.trim_prompt:
-            check_trimmable(self.model.base_model, f"{self.config_key}.trim_prompt")
+        plain = None if is_adapted(self.model) else getattr(self.model, "base_model", None)
+        key = f"{self.config_key}.trim_prompt"
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, plain, key)
 
     # ---------------------------------------------------------------- forward
     def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:

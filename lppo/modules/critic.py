@@ -11,7 +11,7 @@ from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import LoRA, check_lora, is_adapted
 from lppo.stats import SumStats
-from lppo.tail import check_trimmable, response_start, trimmed
+from lppo.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.types import Chunk
 from lppo.validation import check_number
 
@@ -33,7 +33,9 @@ class CriticModule(PPOModule):
         head_seed: seed of the value head's initialization.
         trim_prompt: run the backbone's last block only from the position before the chunk's
             first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2 backbones):
-            the same values on response tokens to round-off, less work per chunk.
+            the same values on response tokens to round-off, less work per chunk. ``auto``
+            (the default): on wherever it applies, off with a log line for other models, LoRA
+            and layouts that shard the weights (:func:`~lppo.tail.resolve_trim`).
         lora: train LoRA adapters on the backbone instead of its weights (the value head
             trains fully; :mod:`lppo.modules.lora`, the ``[lora]`` extra).
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
@@ -49,7 +51,7 @@ class CriticModule(PPOModule):
         value_clip: float | None = 0.2,
         head_init_std: float = 0.02,
         head_seed: int = 0,
-        trim_prompt: bool = False,
+        trim_prompt: TrimSetting = "auto",
         lora: LoRA | None = None,
         **kwargs: Any,
     ) -> None:
@@ -64,7 +66,9 @@ class CriticModule(PPOModule):
         self.value_clip = value_clip
         self.head_init_std = head_init_std
         self.head_seed = head_seed
-        self.trim_prompt = trim_prompt
+        #: The ``trim_prompt`` argument; :attr:`trim_prompt` is what it resolved to at setup.
+        self.trim_prompt_setting: TrimSetting = trim_prompt
+        self.trim_prompt = False
         self.lora = lora
         given = isinstance(backbone, nn.Module)
         self.spec: HFCausalLM | None = None if given else backbone  # type: ignore[assignment]
@@ -93,8 +97,9 @@ class CriticModule(PPOModule):
             )
         if self.lora is not None and not is_adapted(self.backbone):
             self.backbone = self.lora.wrap(self.backbone)  # the value head stays fully trained
-        if self.trim_prompt:
-            check_trimmable(self.backbone.base_model, f"{self.config_key}.trim_prompt")
+        plain = None if is_adapted(self.backbone) else getattr(self.backbone, "base_model", None)
+        key = f"{self.config_key}.trim_prompt"
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, plain, key)
         if self.value_head is None:
             param = next(self.backbone.parameters())
             head = self.make_value_head(int(self.backbone.config.hidden_size))

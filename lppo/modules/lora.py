@@ -82,12 +82,12 @@ class LoRA:
             return peft.get_peft_model(model, config)
 
 
-def check_lora(lora: LoRA | None, trim_prompt: bool, key: str) -> None:
+def check_lora(lora: LoRA | None, trim_prompt: bool | str, key: str) -> None:
     """Validate a module's ``lora`` setting (``key``: the module's init-args key)."""
     if lora is None:
         return
     lora.validate(f"{key}.lora")
-    if trim_prompt:
+    if trim_prompt is True:
         raise SettingError(
             f"{key}.trim_prompt=true with {key}.lora: the trimmed forward swaps a block of the "
             "plain model, which PEFT has wrapped; set trim_prompt: false."

@@ -11,7 +11,7 @@ from torch import nn
 from lppo.init_args import RecordsInitArgs
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.stats import Moments
-from lppo.tail import check_trimmable, trimmed
+from lppo.tail import TrimSetting, resolve_trim, trimmed
 from lppo.types import Chunk
 from lppo.validation import check_number
 
@@ -38,7 +38,8 @@ class RewardModel(RecordsInitArgs, nn.Module):
         clip: clip the normalized score to ``[−clip, clip]`` (``null``: no clip).
         trim_prompt: run the classifier's last block only from the chunk's earliest last real
             token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2 models): the same scores to
-            round-off, less work per chunk.
+            round-off, less work per chunk. ``auto`` (the default): on wherever it applies,
+            off with a log line for other models (:func:`~lppo.tail.resolve_trim`).
     """
 
     def __init__(
@@ -48,7 +49,7 @@ class RewardModel(RecordsInitArgs, nn.Module):
         task_weight: float = 1.0,
         normalize: bool = True,
         clip: float | None = None,
-        trim_prompt: bool = False,
+        trim_prompt: TrimSetting = "auto",
     ) -> None:
         super().__init__()
         key = "model.reward_model.init_args"
@@ -61,7 +62,9 @@ class RewardModel(RecordsInitArgs, nn.Module):
         self.task_weight = task_weight
         self.normalize = normalize
         self.clip = clip
-        self.trim_prompt = trim_prompt
+        #: The ``trim_prompt`` argument; :attr:`trim_prompt` is what it resolved to at setup.
+        self.trim_prompt_setting: TrimSetting = trim_prompt
+        self.trim_prompt = False
         given = isinstance(model, nn.Module)
         self.spec: HFCausalLM | None = None if given else model  # type: ignore[assignment]
         self.classifier: nn.Module | None = model if given else None  # type: ignore[assignment]
@@ -82,8 +85,8 @@ class RewardModel(RecordsInitArgs, nn.Module):
             self.classifier = self.spec.build_classifier(
                 vocab_size, pad_token_id, bos_token_id, eos_token_id
             )
-        if self.trim_prompt:
-            check_trimmable(self.classifier.base_model, "model.reward_model.init_args.trim_prompt")
+        key = "model.reward_model.init_args.trim_prompt"
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, self.classifier.base_model, key)
         self.classifier.requires_grad_(False)
         self.classifier.eval()
 

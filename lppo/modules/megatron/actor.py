@@ -9,11 +9,10 @@ import torch
 from torch import nn
 
 from lppo.modules.actor import ActorModule
-from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs
+from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs, untrimmed
 from lppo.modules.megatron.model import MegatronGPT
 from lppo.modules.megatron.ops import vocab_parallel_logprobs
 from lppo.types import Chunk
-from lppo.validation import SettingError
 
 
 class MegatronActor(MegatronLifecycle, ActorModule):
@@ -37,11 +36,7 @@ class MegatronActor(MegatronLifecycle, ActorModule):
                 f"MegatronActor.model must be a lppo.modules.megatron.MegatronGPT, got "
                 f"{type(model).__name__}."
             )
-        if kwargs.get("trim_prompt"):
-            raise SettingError(
-                "model.actor.init_args.trim_prompt=true is for Hugging Face Llama-family "
-                "models; MegatronActor runs megatron's own forward. Set it to false."
-            )
+        kwargs = untrimmed(kwargs, "model.actor.init_args", "MegatronActor")
         super().__init__(model, **kwargs)  # type: ignore[arg-type]
         self._rollout: list[nn.Module] = []  # a list: not a submodule, not in state_dict
         self._rollout_version = -1

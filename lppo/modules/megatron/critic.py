@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lppo.modules.critic import CriticModule
-from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs
+from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs, untrimmed
 from lppo.modules.megatron.model import MegatronGPT
 from lppo.types import Chunk
 
@@ -32,6 +32,7 @@ class MegatronCritic(MegatronLifecycle, CriticModule):
                 f"MegatronCritic.backbone must be a lppo.modules.megatron.MegatronGPT, got "
                 f"{type(backbone).__name__}."
             )
+        kwargs = untrimmed(kwargs, "model.critic.init_args", "MegatronCritic")
         super().__init__(backbone, **kwargs)  # type: ignore[arg-type]
 
     @property

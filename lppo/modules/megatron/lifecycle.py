@@ -69,6 +69,20 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
+def untrimmed(kwargs: dict[str, Any], key: str, name: str) -> dict[str, Any]:
+    """``kwargs`` with ``trim_prompt`` off: megatron runs its own forward, not HF's blocks.
+
+    Raises:
+        SettingError: an explicit ``trim_prompt: true`` (``key``: the module's init-args key).
+    """
+    if kwargs.get("trim_prompt") is True:
+        raise SettingError(
+            f"{key}.trim_prompt=true is for Hugging Face Llama-family models; {name} runs "
+            "megatron's own forward. Set it to false (or auto)."
+        )
+    return {**kwargs, "trim_prompt": False}
+
+
 def causal_inputs(chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTModel inputs of a right-padded chunk: ``(input_ids, position_ids, attention_mask)``.
 
