@@ -75,31 +75,33 @@ def check_trimmable(body: nn.Module, key: str) -> None:
         raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
 
 
-def resolve_trim(setting: TrimSetting, body: nn.Module | None, key: str) -> bool:
+def resolve_trim(
+    setting: TrimSetting, body: nn.Module | None, key: str, unfit: str | None = None
+) -> bool:
     """A module's ``trim_prompt`` setting made ``True`` or ``False`` for ``body``.
 
-    ``auto`` is on wherever :func:`untrimmable` finds nothing against ``body`` (``None``: a
-    model that is not a Hugging Face body, or one PEFT wrapped), else off with a log line
-    naming the reason; ``true`` is checked.
+    ``auto`` is on wherever neither ``unfit`` (the module's own reason, e.g. LoRA) nor
+    :func:`untrimmable` finds anything against ``body``, else off with a log line naming the
+    reason; ``true`` is checked.
+
+    Args:
+        setting: the module's ``trim_prompt`` argument.
+        body: the Hugging Face base model (``None`` only with ``unfit``).
+        key: the setting's configuration key (for the messages).
+        unfit: why this module cannot trim, whatever its body (``None``: nothing).
 
     Raises:
-        SettingError: ``true`` for a body that cannot run :func:`trimmed`.
+        SettingError: ``true`` where the module or its body cannot run :func:`trimmed`.
     """
     if setting is False:
         return False
-    if body is None:
-        reason = "the model is not a plain Hugging Face body (LoRA or megatron)"
-        if setting is True:
-            raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
-        rank_zero_info(f"{key}=auto: off ({reason})")
-        return False
-    if setting is True:
-        check_trimmable(body, key)
+    reason = unfit or (untrimmable(body) if body is not None else "no Hugging Face body")
+    if reason is None:
         return True
-    if (reason := untrimmable(body)) is not None:
-        rank_zero_info(f"{key}=auto: off ({reason})")
-        return False
-    return True
+    if setting is True:
+        raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
+    rank_zero_info(f"{key}=auto: off ({reason})")
+    return False
 
 
 def switch_off_under_sharding(modules: Iterable[Any], layout_name: str) -> None:

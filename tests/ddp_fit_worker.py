@@ -155,6 +155,9 @@ class RecordPlans(PPOCallback):
             "layout": type(getattr(trainer.strategy, "layout", None)).__name__,
             "sharded_parameters": sum(is_sharded(p) for p in pl_module.parameters()),
             "parameters": sum(1 for _ in pl_module.parameters()),
+            "trim_prompt": [
+                getattr(m, "trim_prompt", None) for m in (pl_module.actor, pl_module.critic)
+            ],
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "global_step": trainer.global_step,
             "rows_left": len(store.meta().ids),

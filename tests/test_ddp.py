@@ -30,7 +30,11 @@ from lppo.types import RowMeta
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("ddp_fit_worker.py")
 TIMEOUT_S = 240
-PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6
+#: float32 weights after the fits: two ranks sum each step's gradient in another order than one
+#: process, and the trimmed last block (``trim_prompt: auto``) runs SDPA over another number of
+#: queries per chunk; Adam turns such round-off in a near-zero gradient into up to ~1e-6 of a
+#: weight (1.27e-6 seen once in 2048 weights). The float64 runs check exactness to 1e-10.
+PARAM_RTOL, PARAM_ATOL = 1e-5, 2.5e-6
 METRIC_RTOL, METRIC_ATOL = 1e-5, 1e-7
 
 #: Logged per-step / per-iteration metrics that must agree (up to float32 summation order).

@@ -137,6 +137,13 @@ def test_unsupported_models_are_rejected_naming_the_key() -> None:
         check_trimmable(flex.base_model, "model.critic.init_args.trim_prompt")
 
 
+class OwnLogits(ActorModule):
+    """A user's actor whose ``logits(chunk)`` predates the trimmed forward's ``start``."""
+
+    def logits(self, chunk):
+        return super().logits(chunk)
+
+
 def test_auto_trims_wherever_it_applies_and_says_why_not_elsewhere(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -156,10 +163,13 @@ def test_auto_trims_wherever_it_applies_and_says_why_not_elsewhere(
         gpt2.configure_model(VOCAB, 0, 1, 2)
         adapted = CriticModule(HFCausalLM(**small), lora=LoRA())
         adapted.configure_model(VOCAB, 0, 1, 2)
-    assert gpt2.trim_prompt is False and adapted.trim_prompt is False
+        own = OwnLogits(HFCausalLM(**small))
+        own.configure_model(VOCAB, 0, 1, 2)
+    assert gpt2.trim_prompt is False and adapted.trim_prompt is False and own.trim_prompt is False
+    assert "trim_prompt=auto: off (OwnLogits.logits(chunk) takes no start)" in caplog.text
     assert "model.actor.init_args.trim_prompt=auto: off (" in caplog.text
     assert "model_type='gpt2'" in caplog.text
-    assert "model.critic.init_args.trim_prompt=auto: off (the model is not a plain" in caplog.text
+    assert "model.critic.init_args.trim_prompt=auto: off (LoRA: PEFT wraps" in caplog.text
     with pytest.raises(SettingError, match=r"trim_prompt=true with .*lora"):
         CriticModule(HFCausalLM(**small), lora=LoRA(), trim_prompt=True)
 

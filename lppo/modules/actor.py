@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,9 +148,14 @@ class ActorModule(PPOModule):
         if self.lora is not None and not is_adapted(self.model):
             self._merged = MergedPolicy(self.model)  # before wrapping: the plain base model
             self.model = self.lora.wrap(self.model)
-        plain = None if is_adapted(self.model) else getattr(self.model, "base_model", None)
+        unfit = None
+        if is_adapted(self.model):
+            unfit = "LoRA: PEFT wraps the model's blocks"
+        elif "start" not in inspect.signature(self.logits).parameters:
+            unfit = f"{type(self).__name__}.logits(chunk) takes no start"
+        body = getattr(self.model, "base_model", None)
         key = f"{self.config_key}.trim_prompt"
-        self.trim_prompt = resolve_trim(self.trim_prompt_setting, plain, key)
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit)
 
     # ---------------------------------------------------------------- forward
     def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:
@@ -176,7 +182,7 @@ class ActorModule(PPOModule):
             both are 0 before the chunk's first response token too.
         """
         start = response_start(chunk.response_mask) if self.trim_prompt else 0
-        # A subclass's ``logits(chunk)`` without ``start`` keeps working untrimmed.
+        # A subclass's ``logits(chunk)`` without ``start`` is never trimmed (configure_model).
         logits = self.logits(chunk, start) if start else self.logits(chunk)
         logprobs, logp = shifted_logprobs(logits, chunk.input_ids[:, start:])
         logprobs = torch.nn.functional.pad(logprobs, (start, 0))

@@ -97,9 +97,10 @@ class CriticModule(PPOModule):
             )
         if self.lora is not None and not is_adapted(self.backbone):
             self.backbone = self.lora.wrap(self.backbone)  # the value head stays fully trained
-        plain = None if is_adapted(self.backbone) else getattr(self.backbone, "base_model", None)
+        unfit = "LoRA: PEFT wraps the backbone's blocks" if is_adapted(self.backbone) else None
+        body = getattr(self.backbone, "base_model", None)
         key = f"{self.config_key}.trim_prompt"
-        self.trim_prompt = resolve_trim(self.trim_prompt_setting, plain, key)
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit)
         if self.value_head is None:
             param = next(self.backbone.parameters())
             head = self.make_value_head(int(self.backbone.config.hidden_size))

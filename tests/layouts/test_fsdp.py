@@ -109,8 +109,10 @@ def test_sharded_fit_equals_one_process_under_another_chunk_budget(fits, name):
     want = _state(fits / single)
     ranks = [json.loads((fits / name / f"rank{r}.json").read_text()) for r in range(2)]
     one = json.loads((fits / single / "rank0.json").read_text())
+    assert one["trim_prompt"][0] is (name != "fsdp-lora")  # auto: on for one plain process
     for record in ranks:
         assert record["layout"] == "FSDPLayout"
+        assert True not in record["trim_prompt"]  # auto: off under a layout that shards
         assert 0 < record["sharded_parameters"] <= record["parameters"]
         assert record["global_step"] == one["global_step"] == 2 * ITERATIONS
         assert record["rows_left"] == 0
