@@ -1,12 +1,13 @@
 """One lppo run of the TRL side-by-side benchmark (runs in the lppo venv).
 
 Usage: ``python _trl_lppo.py ROOT SETUP N ITERATIONS THREADS [KEY=VALUE ...]`` where the
-optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs`` (``recompute``
-/ ``rollout``), ``old_values`` (``score`` / ``critic``), ``gen_batch`` (engine batch size, 0 =
-all rows) and ``sort_by_length`` (``1``: length-sorted generation batches), ``prefill_tokens``
-(the engine's prefill piece budget), ``gen_cache`` (``dynamic`` / ``static``), ``trim_prompt``
-(``1``: actor, reference, critic and reward model run their last block only from the first
-response position on, :mod:`lppo.tail`), ``ranks`` (data-parallel processes, ``PPODDPStrategy``
+optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs`` (``auto`` /
+``recompute`` / ``actor`` / ``rollout``), ``old_values`` (``auto`` / ``score`` / ``critic``),
+``gen_batch`` (engine batch size, 0 = all rows) and ``sort_by_length`` (``1``: length-sorted
+generation batches), ``prefill_tokens`` (the engine's prefill piece budget), ``gen_cache``
+(``dynamic`` / ``static``), ``trim_prompt`` (``1`` / ``0``: actor, reference, critic and
+reward model run their last block only from the first response position on, or not,
+:mod:`lppo.tail`; left out: lppo's ``auto``), ``ranks`` (data-parallel processes, ``PPODDPStrategy``
 over gloo, each with ``THREADS / ranks`` intra-op threads; default 1) and ``profile`` (a path:
 cProfile of the timed iterations is dumped there), ``estimator`` (``gae``, the default: PPO
 with a critic, KL 0.05, 2 epochs; ``grpo``: lppo's critic-free defaults, ``lppo.estimators.GRPO``
@@ -95,11 +96,9 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
         settings["ignore_eos"] = True
     grpo = opts.get("estimator", "gae") == "grpo"
     ppo = {} if grpo else {"kl_coef": 0.05, "critic_epochs": 2, "actor_epochs": 2}
-    if opts.get("old_logprobs", "recompute") != "recompute":
-        ppo["old_logprobs"] = opts["old_logprobs"]
-    if opts.get("old_values", "score") != "score":
-        ppo["old_values"] = opts["old_values"]
-    trim = {"trim_prompt": True} if opts.get("trim_prompt", "0") == "1" else {}
+    # A key left out keeps lppo's default (``auto`` for all three).
+    ppo.update({k: opts[k] for k in ("old_logprobs", "old_values") if k in opts})
+    trim = {"trim_prompt": opts["trim_prompt"] == "1"} if "trim_prompt" in opts else {}
     return PPOSystem(
         actor=ActorModule(
             HFCausalLM(pretrained_path=os.path.join(root, "policy")), lr=1e-5, **trim

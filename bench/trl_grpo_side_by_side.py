@@ -31,8 +31,9 @@ micro-batches of ``per_device_train_batch_size=8``; lppo one actor epoch of one 
 640-token chunks = 8 × 80), no gradient checkpointing, fp32, ``--threads`` intra-op threads.
 Setups: ``equal`` (every prompt 16 tokens) and ``variable`` (8–128 tokens; TRL left-pads, lppo
 packs). Not matched: TRL needs no old log-probs pass with one use of a batch (it takes the
-current ones, detached); ``lppo-default`` recomputes them in scoring, the tuned ``lppo`` takes
-the rollout's (``old_logprobs=rollout``). TRL also scores re-tokenized text, lppo the tokens.
+current ones, detached); ``lppo-default`` does the same, exactly (``old_logprobs: auto``: the
+actor's first epoch), the tuned ``lppo`` takes the rollout's (``old_logprobs=rollout``). TRL
+also scores re-tokenized text, lppo the tokens.
 
 Variants: ``trl``; ``lppo-default`` (lppo's critic-free defaults: ``estimators.GRPO``,
 ``ClippedPPO``); ``lppo`` (``--lppo`` settings: the PPO bench's ``TUNED`` ones that apply

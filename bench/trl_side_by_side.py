@@ -29,7 +29,7 @@ Variants: ``trl``; ``trl-dp`` (TRL on ``--threads`` data-parallel processes of o
 accelerate's gloo DDP, the same rows per iteration); ``lppo`` (``--lppo`` settings, the tuned
 ones); ``lppo-dp`` (the same settings on ``--threads`` data-parallel processes of one thread
 each, ``PPODDPStrategy`` over gloo: the same cores, the same rows per iteration);
-``lppo-default`` (lppo's defaults: old log-probs recomputed, score chunks = training chunks);
+``lppo-default`` (lppo's defaults: every ``auto`` setting, score chunks = training chunks);
 ``floor`` (a plain PyTorch loop over lppo's training chunks, ``_trl_floor``).
 """
 
