@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
+
+from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.algorithms.kl import KLKind
 from lppo.replay.rollout_rows import RowRules
@@ -175,6 +178,27 @@ class PPOConfig:
             raise SettingError(
                 f"model.ppo.old_values={self.old_values!r}; use 'auto', 'score' or 'critic'."
             )
+
+    def resolved(self, key: str, exact: str, fallback: str, obstacles: list[str]) -> PPOConfig:
+        """This config with ``model.ppo.<key>: auto`` made ``exact`` or ``fallback``.
+
+        ``exact`` (a shortcut that gives the same numbers to round-off) where ``obstacles``
+        (why it would not, here) is empty, else ``fallback`` with a log line naming them.
+
+        Raises:
+            SettingError: ``key`` set to ``exact`` explicitly despite ``obstacles``.
+        """
+        value = getattr(self, key)
+        if value == exact and obstacles:
+            raise SettingError(
+                f"model.ppo.{key}={exact} would not be exact here: {'; '.join(obstacles)}. "
+                f"Change those, or set {key}: {fallback} (or auto)."
+            )
+        if value != "auto":
+            return self
+        if obstacles:
+            rank_zero_info(f"model.ppo.{key}=auto: {fallback} ({'; '.join(obstacles)})")
+        return dataclasses.replace(self, **{key: fallback if obstacles else exact})
 
     def row_rules(self, max_new_tokens: int) -> RowRules:
         """What happens to rows when they are put: invalid rows, the overlong punishment.

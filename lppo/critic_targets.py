@@ -20,7 +20,6 @@ import dataclasses
 from typing import cast
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.config import PPOConfig
 from lppo.estimators.base import (
@@ -31,7 +30,6 @@ from lppo.estimators.base import (
 )
 from lppo.modules import CriticModule
 from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk, RolloutStats
-from lppo.validation import SettingError
 
 __all__ = [
     "AdvantagePhase",
@@ -161,20 +159,10 @@ def resolve_old_values(
             message names each obstacle).
     """
     check_critic(critic, estimator)
-    if config.old_values == "score":
-        return config
-    reasons = critic_epoch_obstacles(config, estimator, critic)
-    if config.old_values == "critic":
-        if reasons:
-            raise SettingError(
-                "model.ppo.old_values=critic would not give the old values exactly: "
-                + "; ".join(reasons)
-                + ". Change those, or set old_values: score (or auto)."
-            )
-        return config
-    if reasons and critic is not None:
-        rank_zero_info("model.ppo.old_values=auto: score (" + "; ".join(reasons) + ")")
-    return dataclasses.replace(config, old_values="score" if reasons else "critic")
+    if critic is None and config.old_values == "auto":
+        return dataclasses.replace(config, old_values="score")  # nothing to say: no critic
+    obstacles = critic_epoch_obstacles(config, estimator, critic)
+    return config.resolved("old_values", "critic", "score", obstacles)
 
 
 def _defines(cls: type, name: str) -> type:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.chunks import unpad
@@ -26,7 +25,6 @@ from lppo.modules import ActorModule
 from lppo.parallel import ProcessGroup
 from lppo.replay.base import ReplayStore
 from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, Chunk, StepPlan
-from lppo.validation import SettingError
 
 __all__ = ["FirstEpochLogprobs", "actor_epoch_obstacles", "resolve_old_logprobs"]
 
@@ -74,18 +72,8 @@ def resolve_old_logprobs(
     """
     if config.old_logprobs in ("recompute", "rollout"):
         return config
-    reasons = actor_epoch_obstacles(config, estimator, actor)
-    if config.old_logprobs == "actor":
-        if reasons:
-            raise SettingError(
-                "model.ppo.old_logprobs=actor would not give π_old exactly: "
-                + "; ".join(reasons)
-                + ". Change those, or set old_logprobs: recompute (or auto)."
-            )
-        return config
-    if reasons:
-        rank_zero_info("model.ppo.old_logprobs=auto: recompute (" + "; ".join(reasons) + ")")
-    return dataclasses.replace(config, old_logprobs="recompute" if reasons else "actor")
+    obstacles = actor_epoch_obstacles(config, estimator, actor)
+    return config.resolved("old_logprobs", "actor", "recompute", obstacles)
 
 
 class FirstEpochLogprobs:
