@@ -60,7 +60,7 @@ from lppo.modules.lora import LoRA
 from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
-from lppo.strategy import PPOStrategy
+from lppo.strategy import PPOStrategy, close_process_group
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask, Task
 from lppo.trainer import PPOTrainer
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_per_chunk=args.max_tokens_per_chunk, drop_budget=3 * PROMPTS, store=store
     )
     trainer.fit(system, datamodule=data, ckpt_path="last" if args.resume else None)
+    close_process_group()  # as lppo's CLI does
 
 
 if __name__ == "__main__":
