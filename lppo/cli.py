@@ -21,7 +21,7 @@ from lppo.cli_parser import (
 )
 from lppo.data import ReplayDataModule
 from lppo.errors import explain
-from lppo.strategy import close_process_group
+from lppo.parallel import close_process_group
 from lppo.system import PPOSystem
 from lppo.trainer import PPOTrainer
 

@@ -421,3 +421,15 @@ def megatron_groups() -> ParallelContext:
         data=ProcessGroup(size=dist.get_world_size(dp), rank=dist.get_rank(dp), handle=dp),
         tensor=ProcessGroup(size=dist.get_world_size(tp), rank=dist.get_rank(tp), handle=tp),
     )
+
+
+def close_process_group() -> None:
+    """Destroy the default process group, if any, once a fit is over and nothing collects.
+
+    Its gloo worker threads then stop while the interpreter still runs: left to interpreter
+    exit, a thread releasing a finished collective's tensor can take the GIL during
+    finalization and abort the process (SIGABRT after a successful fit, seen under
+    TransferQueue).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

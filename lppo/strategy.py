@@ -206,15 +206,3 @@ def check_strategy(strategy: Any, world_size: int) -> None:
 for _name, (_layout, _description) in LAYOUTS.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, PPOStrategy, description=_description, layout=_layout())
-
-
-def close_process_group() -> None:
-    """Destroy the default process group, if any, once a fit is over and nothing collects.
-
-    Its gloo worker threads then stop while the interpreter still runs: left to interpreter
-    exit, a thread releasing a finished collective's tensor can take the GIL during
-    finalization and abort the process (SIGABRT after a successful fit, seen under
-    TransferQueue).
-    """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

@@ -57,10 +57,11 @@ from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.lora import LoRA
+from lppo.parallel import close_process_group
 from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
-from lppo.strategy import PPOStrategy, close_process_group
+from lppo.strategy import PPOStrategy
 from lppo.system import PPOSystem, RolloutSettings
 from lppo.tasks import CopyTask, Task
 from lppo.trainer import PPOTrainer
