@@ -8,7 +8,9 @@ generation batches), ``prefill_tokens`` (the engine's prefill piece budget), ``g
 (``dynamic`` / ``static``), ``trim_prompt`` (``1`` / ``0``: actor, reference, critic and
 reward model run their last block only from the first response position on, or not,
 :mod:`lppo.tail`; left out: lppo's ``auto``), ``ranks`` (data-parallel processes, ``PPODDPStrategy``
-over gloo, each with ``THREADS / ranks`` intra-op threads; default 1) and ``profile`` (a path:
+over gloo, each with ``THREADS / ranks`` intra-op threads; default 1), ``balance_ranks``
+(``1`` / ``0``: rows move between those processes to balance their tokens, or not; left out:
+lppo's default, on) and ``profile`` (a path:
 cProfile of the timed iterations is dumped there), ``estimator`` (``gae``, the default: PPO
 with a critic, KL 0.05, 2 epochs; ``grpo``: lppo's critic-free defaults, ``lppo.estimators.GRPO``
 with no critic, KL 0, one epoch; ``bench/trl_grpo_side_by_side.py``) and ``samples`` (samples
@@ -174,6 +176,8 @@ def main() -> None:
                 {
                     "tokens": int(result.tokens.get("rollout", 0)),
                     "optimizer_steps": len(result.phase_steps("actor")),
+                    "imbalance": result.rollout.extra.get("rank_token_imbalance"),
+                    "moved_rows": result.rollout.extra.get("moved_rows"),
                 }
             )
 
@@ -204,6 +208,8 @@ def main() -> None:
     data_args = {"max_tokens_per_chunk": int(opts.get("chunk_tokens", "640"))}
     if "score_chunk_tokens" in opts:
         data_args["max_tokens_per_score_chunk"] = int(opts["score_chunk_tokens"])
+    if "balance_ranks" in opts:
+        data_args["balance_ranks"] = opts["balance_ranks"] == "1"
     data = ReplayDataModule(**data_args)
     callbacks: list[Callback] = [Record()]
     if "profile" in opts:
@@ -236,6 +242,8 @@ def main() -> None:
             "samples": int(opts.get("samples", "1")),
             "tokens": [w["tokens"] for w in work],
             "optimizer_steps": statistics.median(w["optimizer_steps"] for w in work),
+            "rank_token_imbalance": [w["imbalance"] for w in work],
+            "moved_rows": [w["moved_rows"] for w in work],
         },
         "peak_rss_mb": float(peaks.sum()),
         "ranks": ranks,

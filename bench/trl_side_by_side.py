@@ -29,7 +29,9 @@ Variants: ``trl``; ``trl-dp`` (TRL on ``--threads`` data-parallel processes of o
 accelerate's gloo DDP, the same rows per iteration); ``lppo`` (``--lppo`` settings, the tuned
 ones); ``lppo-dp`` (the same settings on ``--threads`` data-parallel processes of one thread
 each, ``PPODDPStrategy`` over gloo: the same cores, the same rows per iteration);
-``lppo-default`` (lppo's defaults: every ``auto`` setting, score chunks = training chunks);
+``lppo-dp-unbalanced`` (``lppo-dp`` with ``data.balance_ranks`` off: each rank trains the rows
+it generated); ``lppo-default`` (lppo's defaults: every ``auto`` setting, score chunks = training
+chunks);
 ``floor`` (a plain PyTorch loop over lppo's training chunks, ``_trl_floor``).
 """
 
@@ -64,6 +66,8 @@ TUNED = [
 
 #: The TRL variants; a setting's ratios are against the faster of those it ran.
 TRL_VARIANTS = ("trl", "trl-dp")
+#: lppo's data-parallel variants (``--threads`` ranks of one thread each).
+DP_VARIANTS = ("lppo-dp", "lppo-dp-unbalanced")
 
 
 def ensure_trl_venv(path: str, version: str = "1.12.0") -> str:
@@ -158,8 +162,9 @@ def command(variant: str, args: argparse.Namespace, trl_python: str, setup: str,
         script = os.path.join(HERE, "_trl_floor.py")
         return [sys.executable, script, *common, "2", str(args.threads), str(args.chunk_tokens)]
     opts = [f"chunk_tokens={args.chunk_tokens}"]
-    opts += args.lppo if variant in ("lppo", "lppo-dp") else []
-    opts += [f"ranks={args.threads}"] if variant == "lppo-dp" else []
+    opts += args.lppo if variant in ("lppo", *DP_VARIANTS) else []
+    opts += [f"ranks={args.threads}"] if variant in DP_VARIANTS else []
+    opts += ["balance_ranks=0"] if variant == "lppo-dp-unbalanced" else []
     script = os.path.join(HERE, "_trl_lppo.py")
     return [sys.executable, script, *common, iters, str(args.threads), *opts]
 
@@ -173,6 +178,9 @@ def summarize(result: dict) -> dict:
     out["peak_rss_mb"] = result["peak_rss_mb"]
     if result.get("padding_fraction"):
         out["padding"] = result["padding_fraction"][-1]
+    if result.get("ranks", 1) > 1:
+        work = result["work"]
+        out["balance"] = (work["rank_token_imbalance"], work["moved_rows"])
     return out
 
 
@@ -184,8 +192,10 @@ def trl_padding(root: str, setup: str, n: int) -> float:
 
 
 def medians(runs: list[dict]) -> dict[str, float]:
-    """Per-key medians over a variant's runs (``padding`` left out)."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "padding"}
+    """Per-key medians over a variant's runs (``padding`` and ``balance`` left out)."""
+    return {
+        k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("padding", "balance")
+    }
 
 
 def report(results: dict, args: argparse.Namespace) -> str:
@@ -221,6 +231,14 @@ def report(results: dict, args: argparse.Namespace) -> str:
                 f"| {setup} | {n} | {name} | {' | '.join(cells)} | {ratio} | {phases} | {pad} "
                 f"| {statistics.median(r['peak_rss_mb'] for r in runs):.0f} |"
             )
+    for (setup, n), variants in results.items():
+        for name, runs in variants.items():
+            for imbalance, moved in (r["balance"] for r in runs if "balance" in r):
+                share = ", ".join(f"{x:.1%}" for x in imbalance)
+                lines.append(
+                    f"\n{setup} {n} {name}: busiest rank's tokens over the mean, per iteration: "
+                    f"+{share}; rows moved: {', '.join(str(int(m)) for m in moved)}"
+                )
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 An iteration (:meth:`PPOController.run_iteration`) starts with its rows in the store (the
 rollout source put them) and is, in order:
 
-1. **collect**: the rows are claimed and every rank's row layout is gathered once;
+1. **collect**: every rank's row layout is gathered, rows move between ranks to balance tokens
+   (:mod:`lppo.balance`) and are claimed;
 2. **score** (:class:`~lppo.score_phase.ScorePhase`): π_old and reference log-probabilities,
    old values and reward-model scores, streamed chunk by chunk and written back as columns
    (π_old during the actor's first epoch with ``ppo.old_logprobs: actor``,
@@ -17,8 +18,9 @@ rollout source put them) and is, in order:
 Optimizer steps, row retention and abort cleanup are done by the lifecycle callbacks
 (``lppo.callbacks.lifecycle()``); the controller imports none and checks that each did its job.
 
-Under data parallelism each rank scores, estimates and trains only the rows it generated; one
-all-gather of the rows' metadata per iteration gives every rank the same plan (global
+Under data parallelism each rank scores, estimates and trains only the rows it holds after the
+collect phase moved rows between ranks to balance their tokens (:mod:`lppo.balance`); one
+all-gather of the rows' metadata gives every rank the same plan (global
 normalizers, equal chunk counts), and statistics that span rows are reduced over the ranks.
 """
 
@@ -30,6 +32,7 @@ from typing import Any
 
 from torch import nn
 
+from lppo.balance import rank_loads
 from lppo.config import PPOConfig
 from lppo.critic_targets import AdvantagePhase, FirstEpochTargets, resolve_old_values
 from lppo.data import ReplayDataModule
@@ -210,12 +213,8 @@ class PPOController:
         seconds = {"rollout": rollout_seconds}
         clock = time.perf_counter()
 
-        # 1. collect (each rank its own rows; the layout of every rank's rows is gathered once)
-        self._emit("on_rollout_end", ctx)
-        stats, rollout_tokens = rollout_stats(rollout, group)
-        stats.staleness = float(generation.staleness)
-        tokens = {"rollout": rollout_tokens}
-        rows = self.data.layout(ctx.row_ids, group)
+        # 1. collect (the layout of every rank's rows, re-cut into blocks of equal tokens)
+        rows, stats, tokens = self._collect(ctx, rollout, generation)
         dropped = int(stats.dropped_rows)  # every rank's
         clock = _lap(seconds, "collect", clock)
         if not rows.meta.ids and rollout.sampling is not None:
@@ -267,6 +266,33 @@ class PPOController:
         return self._release(
             ctx, IterationResult(ctx.iteration, stats, [], seconds, tokens, padding), generation
         )
+
+    def _collect(
+        self, ctx: IterationContext, rollout: StoredRollout, generation: GenerationReport
+    ) -> tuple[RowLayout, RolloutStats, dict[str, int]]:
+        """Gather every rank's rows, balance their tokens over the ranks, claim them.
+
+        Rows this rank received from another (:mod:`lppo.balance`) join ``ctx.row_ids``
+        before ``on_rollout_end`` (where they are claimed), so they are released with the
+        rank's own; the rows it sent stay there too, released with the rest.
+
+        Returns:
+            The layout the iteration trains on, the rollout statistics and the token counts.
+        """
+        group = self.parallel.data
+        generated = self.data.layout(ctx.row_ids, group)
+        rows, moves = self.data.balance(generated, rollout.columns, group)
+        ctx.row_ids += moves.received
+        self._emit("on_rollout_end", ctx)
+        stats, rollout_tokens = rollout_stats(rollout, group)
+        stats.staleness = float(generation.staleness)
+        if group.size > 1:
+            loads = rank_loads(rows.meta.lengths, rows.owners, group.size)
+            moved = sum(a != b for a, b in zip(generated.owners, rows.owners, strict=True))
+            mean = sum(loads) / group.size
+            imbalance = max(loads) / mean - 1.0 if mean else 0.0
+            stats.update({"moved_rows": moved, "rank_token_imbalance": imbalance})
+        return rows, stats, {"rollout": rollout_tokens}
 
     def _release(
         self, ctx: IterationContext, result: IterationResult, generation: GenerationReport

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule
 
+from lppo.balance import Moves, balanced_owners, move_rows
 from lppo.chunks import iter_chunks
 from lppo.data_settings import DataSettings
 from lppo.parallel import SINGLE, ProcessGroup
@@ -38,6 +39,9 @@ class ReplayDataModule(LightningDataModule):
             (engines with fixed micro-batch shapes); requires ``drop_budget=0``.
         shuffle: shuffle rows every epoch.
         seed: base seed of the shuffles.
+        balance_ranks: after each rollout, move rows between data-parallel ranks so each
+            holds about the same number of tokens (exact; see :mod:`lppo.balance`); not
+            applied with ``fixed_rows_per_rank``.
 
     Raises:
         ValueError: a bad setting, naming the key, the value and the fix.
@@ -52,6 +56,7 @@ class ReplayDataModule(LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         max_tokens_per_score_chunk: int | None = None,
+        balance_ranks: bool = True,
     ) -> None:
         super().__init__()
         # Built (and so validated) here, once: a bad ``data:`` value stops the run at setup.
@@ -62,6 +67,7 @@ class ReplayDataModule(LightningDataModule):
             fixed_rows_per_rank=fixed_rows_per_rank,
             shuffle=shuffle,
             seed=seed,
+            balance_ranks=balance_ranks,
         )
         self.store: ReplayStore = store if store is not None else MemoryReplayStore()
         self.group: ProcessGroup = SINGLE
@@ -124,6 +130,32 @@ class ReplayDataModule(LightningDataModule):
         gets the same layout and so plans the same steps.
         """
         return RowLayout.gather(group.all_gather_object(self.store.meta(row_ids)))
+
+    def balance(
+        self, rows: RowLayout, names: Sequence[str], group: ProcessGroup = SINGLE
+    ) -> tuple[RowLayout, Moves]:
+        """Re-cut ``rows`` into blocks of near-equal tokens per rank, moving rows as needed.
+
+        Collective over ``group`` (see :func:`lppo.balance.move_rows`). With
+        ``balance_ranks=false``, ``fixed_rows_per_rank`` or one rank nothing moves.
+
+        Args:
+            rows: every rank's rows as generated (:meth:`layout`).
+            names: the rows' columns (what a moved row carries).
+            group: the data-parallel ranks.
+
+        Returns:
+            The layout the iteration trains on, and what moved on this rank.
+        """
+        owners = rows.owners
+        if self.settings.balance_ranks and not self.settings.fixed_rows_per_rank:
+            owners = balanced_owners(rows.meta.lengths, rows.owners, group.size)
+        moves = move_rows(self.store, rows, owners, names, group)
+        if owners == rows.owners:
+            return rows, moves
+        if self.store.shared:
+            return RowLayout(meta=rows.meta, owners=tuple(owners)), moves
+        return self.layout(moves.owned, group), moves
 
     def plan(
         self,

@@ -30,6 +30,10 @@ class DataSettings:
             (engines with fixed micro-batch shapes); requires ``drop_budget=0``.
         shuffle: shuffle rows every epoch (``False`` keeps the iteration's sample order).
         seed: base seed of the per-epoch shuffles.
+        balance_ranks: after each rollout, move rows between data-parallel ranks so each
+            holds about the same number of tokens (:mod:`lppo.balance`; exact: every step
+            trains the same rows, some on another rank). Not applied with
+            ``fixed_rows_per_rank``, which fixes each rank's row count.
     """
 
     #: The score phase's chunking is a speed knob (the planner is built at setup, so a resumed
@@ -42,6 +46,7 @@ class DataSettings:
     fixed_rows_per_rank: bool = False
     shuffle: bool = True
     seed: int = 0
+    balance_ranks: bool = True
 
     def __post_init__(self) -> None:
         """Raise ``SettingError`` naming the key, the value and the fix."""

@@ -122,6 +122,33 @@ class ProcessGroup:
         dist.broadcast_object_list(payload, src=self._global(src), group=self.handle)
         return payload[0]
 
+    def exchange_objects(
+        self, pairs: Sequence[tuple[int, int]], outgoing: dict[int, Any]
+    ) -> dict[int, Any]:
+        """Point-to-point transfers: for each ``(src, dst)`` of ``pairs``, ``src`` sends one object.
+
+        Every rank passes the same ``pairs`` and takes part in the ones that name it, in that
+        order (each pair's rank blocks on its own first open pair, so the earliest open pair
+        always completes: no deadlock). Ranks not named by a pair send and receive nothing.
+
+        Args:
+            pairs: the transfers, the same list on every rank (no pair twice, no ``(r, r)``).
+            outgoing: this rank's object for each ``dst`` it sends to.
+
+        Returns:
+            The object received from each ``src`` that sends to this rank.
+        """
+        received: dict[int, Any] = {}
+        for src, dst in pairs:
+            if src == self.rank:
+                payload = [outgoing[dst]]
+                dist.send_object_list(payload, self._global(dst), self.handle, self.device)
+            elif dst == self.rank:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, self._global(src), self.handle, self.device)
+                received[src] = box[0]
+        return received
+
     def broadcast_module(self, module: nn.Module, src: int = 0) -> None:
         """Copy ``src``'s parameters and buffers into every rank (one broadcast per dtype)."""
         if self.size == 1:

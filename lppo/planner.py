@@ -8,7 +8,8 @@ the valid rows are shuffled with a seed derived from ``(seed, phase, iteration, 
 into ``minibatches`` optimizer steps, and each step is packed into chunks whose padded size
 ``rows × longest row`` stays within ``max_tokens_per_chunk`` (rows sorted by length inside the
 step to keep padding low; the order of chunks inside a step does not change its gradient).
-Under data parallelism each rank holds the rows it generated (``owners``): a step's rows are
+Under data parallelism each rank holds a contiguous block of the rows (``owners``: the rows it
+generated, re-cut to balance tokens by :mod:`lppo.balance`): a step's rows are
 the same as in one process (the shuffle runs over the iteration's sample order, whatever the
 rank count), each rank packs the step's rows it owns into chunks, and every rank is padded with
 empty, zero-weight chunks up to the same count, so no collective ever waits on a missing chunk.

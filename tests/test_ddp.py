@@ -235,14 +235,22 @@ def test_two_processes_train_like_one(dtype, staleness, tmp_path):
     assert one["rows_left"] == 0
 
     # Generation is split by prompt blocks: rank 0 put prompts 0-2, rank 1 prompts 3-4 (each
-    # prompt's samples on one rank), together the single process's rows.
+    # prompt's samples on one rank), together the single process's rows. To balance tokens,
+    # rows at the blocks' boundary then move to the other rank (lppo.balance): its iteration
+    # rows are its block, then the rows it received (the end of rank 0's block, or the start
+    # of rank 1's).
+    generated = [[p for p in range(3) for _ in range(3)], [p for p in (3, 4) for _ in range(3)]]
+    moved = 0
     for it in range(iterations):
         got = [rec["rollouts"][it]["prompts"] for rec in ranks]
-        assert got == [
-            [p for p in range(3) for _ in range(3)],
-            [p for p in (3, 4) for _ in range(3)],
-        ]
-        assert got[0] + got[1] == one["rollouts"][it]["prompts"]
+        assert [rows[: len(block)] for rows, block in zip(got, generated, strict=True)] == generated
+        assert generated[0] + generated[1] == one["rollouts"][it]["prompts"]
+        to_0, to_1 = got[0][len(generated[0]) :], got[1][len(generated[1]) :]
+        assert not (to_0 and to_1)
+        assert to_0 == generated[1][: len(to_0)]
+        assert to_1 == generated[0][len(generated[0]) - len(to_1) :]
+        moved += len(to_0) + len(to_1)
+    assert moved > 0
 
     # Same steps everywhere; every step trains the single process's rows (same token ids),
     # each rank only rows it generated, with equal chunk counts (zero-weight padding).
@@ -297,6 +305,28 @@ def test_two_processes_train_like_one(dtype, staleness, tmp_path):
             compared[key] += 1
     for key in ("critic/loss", "actor/loss", "critic/grad_norm", "actor/grad_norm"):
         assert compared[key] >= 4, compared
+    # The two-rank run logs what the balancing moved and what imbalance is left.
+    logged = [row for row in b if row.get("rollout/moved_rows")]
+    assert len(logged) == iterations
+    assert sum(float(row["rollout/moved_rows"]) for row in logged) == moved
+    assert all(0 <= float(row["rollout/rank_token_imbalance"]) < 1 for row in logged)
+    assert not any(row.get("rollout/moved_rows") for row in a)  # one process: nothing to move
+
+
+def boundary_split(parts: list[list[int]], whole: list[int]) -> bool:
+    """Whether two ranks' iteration rows are the single process's rows split in two blocks,
+    each block then followed by rows the balancing moved across the blocks' boundary (the
+    start of rank 1's block on rank 0, or the end of rank 0's block on rank 1; one way only)."""
+    for n0 in range(len(whole) + 1):
+        own0, own1 = whole[:n0], whole[n0:]
+        if parts[0][:n0] != own0 or parts[1][: len(own1)] != own1:
+            continue
+        to_0, to_1 = parts[0][n0:], parts[1][len(own1) :]
+        if to_0 and to_1:
+            continue
+        if to_0 == own1[: len(to_0)] and to_1 == own0[len(own0) - len(to_1) :]:
+            return True
+    return False
 
 
 @pytest.mark.distributed
@@ -316,7 +346,7 @@ def test_two_processes_with_dynamic_sampling_keep_one_process_groups(tmp_path):
     ranks = [json.loads((dp / f"rank{r}.json").read_text()) for r in range(2)]
     kept = [one["rollouts"][it]["prompts"] for it in range(2)]
     for it in range(2):
-        assert ranks[0]["rollouts"][it]["prompts"] + ranks[1]["rollouts"][it]["prompts"] == kept[it]
+        assert boundary_split([r["rollouts"][it]["prompts"] for r in ranks], kept[it])
     assert any(p >= 5 for prompts in kept for p in prompts), kept  # a refill's group was kept
     assert len({p for prompts in kept for p in prompts}) < 2 * 5 * 3  # and groups were dropped
     want = torch.load(single / "state0.pt")
@@ -342,7 +372,7 @@ def test_two_processes_with_multi_turn_rows_train_like_one(tmp_path):
     ranks = [json.loads((dp / f"rank{r}.json").read_text()) for r in range(2)]
     for it in range(2):
         parts = [ranks[r]["rollouts"][it]["prompts"] for r in range(2)]
-        assert parts[0] + parts[1] == one["rollouts"][it]["prompts"]
+        assert boundary_split(parts, one["rollouts"][it]["prompts"])
     want = torch.load(single / "state0.pt")
     for r in range(2):
         got = torch.load(dp / f"state{r}.pt")

@@ -87,6 +87,8 @@ class StoredRollout:
         episodes: what multi-turn rollouts did (``None``: single-turn rows).
         worker_restarts: rollout workers replaced since the previous rollout (``None``: an
             engine without workers).
+        columns: the columns the rows were put with (their row schema; what a row carries
+            when it moves to another rank's store, :mod:`lppo.balance`).
     """
 
     row_ids: tuple[int, ...]
@@ -97,6 +99,7 @@ class StoredRollout:
     sampling: SamplingReport | None = None
     episodes: EpisodeReport | None = None
     worker_restarts: int | None = None
+    columns: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -156,12 +159,14 @@ def put_rollout(
     if len(ids) != len(rollout):
         raise ValueError(f"put_rollout: {len(ids)} row ids for {len(rollout)} samples")
     bad_rewards = 0
+    names: tuple[str, ...] = ()
     try:
         for start in range(0, len(ids), PUT_ROWS):
             rows = slice(start, start + PUT_ROWS)
             columns = rollout.columns(rows)
             bad_rewards += mark_invalid(columns, rules)
             store.put(ids[rows], columns)
+            names = tuple(columns)
     except BaseException:
         store.discard(ids)  # a put that fails part-way leaves none of the rollout behind
         raise
@@ -175,6 +180,7 @@ def put_rollout(
         rollout.sampling,
         rollout.episodes,
         rollout.worker_restarts,
+        names,
     )
 
 
@@ -191,6 +197,7 @@ def concat_stored(parts: Sequence[StoredRollout], dropped: int = 0) -> StoredRol
         sampling=merge_reports([p.sampling for p in parts]),
         episodes=merge_reports([p.episodes for p in parts]),
         worker_restarts=_sum_known([p.worker_restarts for p in parts]),
+        columns=next((p.columns for p in parts if p.columns), ()),
     )
 
 

@@ -214,11 +214,11 @@ def test_rows_put_by_the_workers_equal_the_trainers_put(workers, rank):
         src = source(workers, store, rank, world=2)
         assert src.writer is workers  # shared store + an engine that writes rows itself
         got = src.collect(0)
-        # The trainer got ids and per-row scalars, never the samples' tensors ...
+        # The trainer got ids, per-row scalars and the column names, never the samples' tensors
         assert isinstance(got, StoredRollout)
         assert {f.name for f in dataclasses.fields(got)} == {
             "row_ids", "reward", "response_tokens", "bad_rewards", "dropped", "sampling",
-            "episodes", "worker_restarts",
+            "episodes", "worker_restarts", "columns",
         }  # fmt: skip
         assert got.sampling is None  # dynamic sampling is off (and refused with a writer)
         assert got.episodes is None  # single-turn rows
