@@ -178,7 +178,7 @@ def summarize(result: dict) -> dict:
     out["peak_rss_mb"] = result["peak_rss_mb"]
     if result.get("padding_fraction"):
         out["padding"] = result["padding_fraction"][-1]
-    if result.get("ranks", 1) > 1:
+    if result["side"] == "lppo" and result.get("ranks", 1) > 1:
         work = result["work"]
         out["balance"] = (work["rank_token_imbalance"], work["moved_rows"])
     return out

@@ -21,7 +21,6 @@ from lppo.cli_parser import (
 )
 from lppo.data import ReplayDataModule
 from lppo.errors import explain
-from lppo.parallel import close_process_group
 from lppo.system import PPOSystem
 from lppo.trainer import PPOTrainer
 
@@ -129,7 +128,6 @@ def main() -> None:
         os.environ["JSONARGPARSE_DEBUG"] = "true"  # jsonargparse raises, not exits
     try:
         run()
-        close_process_group()  # every rank, after Lightning's teardown: nothing collects now
     except Exception as exc:
         block = None if debug else explain(exc)
         if block is None:

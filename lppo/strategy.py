@@ -25,6 +25,7 @@ chunk counts (zero-weight padding), and the statistics spanning rows are reduced
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import socket
@@ -38,7 +39,13 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lppo.layouts import LAYOUTS
 from lppo.loop import plain_optimizer
-from lppo.parallel import DEFAULT_TIMEOUT, DataParallelLayout, ParallelContext, ParallelLayout
+from lppo.parallel import (
+    DEFAULT_TIMEOUT,
+    DataParallelLayout,
+    ParallelContext,
+    ParallelLayout,
+    close_process_group,
+)
 
 #: Name of the data-parallel :class:`PPOStrategy` in Lightning's ``StrategyRegistry``.
 STRATEGY_NAME = "ppo_ddp"
@@ -103,10 +110,15 @@ class PPOStrategy(DDPStrategy):
 
         Gloo and NCCL otherwise pick the interface of the machine's hostname, which may be an
         external one even when every rank runs here (``MASTER_ADDR`` unset or 127.0.0.1).
+        The group is destroyed at interpreter exit (:func:`~lppo.parallel.close_process_group`).
         """
         assert self.cluster_environment is not None
         bind_to_loopback(self.cluster_environment.main_address)
         super().setup_distributed()
+        # Whoever runs the fit (lppo's CLI, a user's script): the group's gloo threads stop
+        # while the interpreter is still whole, and collectives after fit still work.
+        atexit.unregister(close_process_group)
+        atexit.register(close_process_group)
 
     def configure_ddp(self) -> None:
         """Hand the module to the layout: rank 0's states everywhere, then wrap or shard.

@@ -9,13 +9,14 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 from lppo.callbacks import IterationCheckpoint, defaults
 
 from lppo.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
 from lppo.loop import install
 from lppo.ray_runtime import RaySettings
 from lppo.run_directory import AUTO, LAST, RunDirectory, is_launching_rank_zero
-from lppo.strategy import check_strategy  # also registers the "ppo_ddp" strategy name
+from lppo.strategy import STRATEGY_NAME, check_strategy  # also registers "ppo_ddp"
 from lppo.validation import SettingError
 
 # The frozen reference policy is in eval mode on purpose.
@@ -34,6 +35,18 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def _processes(kwargs: dict[str, Any]) -> int:
+    """``devices × num_nodes`` where both are given as numbers (1 where they are not)."""
+    count = 1
+    for key in ("devices", "num_nodes"):
+        value = kwargs.get(key)
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            count *= value
+    return count
+
+
 class PPOTrainer(Trainer):
     """A ``Trainer`` whose epoch is one RL iteration (``max_epochs`` = iterations).
 
@@ -49,8 +62,10 @@ class PPOTrainer(Trainer):
     rank).
 
     Data parallelism: ``strategy="ppo_ddp"`` (:class:`lppo.strategy.PPODDPStrategy`) with
-    ``devices > 1`` (or ``num_nodes > 1``); Lightning's own multi-process strategies are
-    rejected with a ``ValueError`` because their model wrapper syncs gradients per backward.
+    ``devices > 1`` (or ``num_nodes > 1``), which is also what ``strategy="auto"`` (the
+    default) becomes when ``devices`` or ``num_nodes`` is a number above 1 (logged); Lightning's
+    own multi-process strategies are rejected with a ``ValueError`` because their model wrapper
+    syncs gradients per backward.
 
     Args:
         *args: passed to :class:`lightning.pytorch.Trainer`.
@@ -101,6 +116,9 @@ class PPOTrainer(Trainer):
         for key, value in _DEFAULTS.items():
             if kwargs.get(key) is None:
                 kwargs[key] = value
+        if kwargs.get("strategy", "auto") == "auto" and _processes(kwargs) > 1:
+            kwargs["strategy"] = STRATEGY_NAME
+            rank_zero_info(f"trainer.strategy=auto with {_processes(kwargs)} processes: ppo_ddp")
         super().__init__(*args, **kwargs)
         # Fail before any process is launched (PPOSystem.configure_model checks again).
         check_strategy(self.strategy, self.num_devices * self.num_nodes)

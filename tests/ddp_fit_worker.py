@@ -57,7 +57,6 @@ from lppo.loop import attached_trainer
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.lora import LoRA
-from lppo.parallel import close_process_group
 from lppo.ray_runtime import RaySettings
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
@@ -297,7 +296,6 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_per_chunk=args.max_tokens_per_chunk, drop_budget=3 * PROMPTS, store=store
     )
     trainer.fit(system, datamodule=data, ckpt_path="last" if args.resume else None)
-    close_process_group()  # as lppo's CLI does
 
 
 if __name__ == "__main__":

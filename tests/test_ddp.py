@@ -152,6 +152,17 @@ def test_ppo_ddp_name_builds_the_strategy(tmp_path):
     assert trainer.num_devices == 2
 
 
+@pytest.mark.parametrize(
+    ("devices", "want"), [(2, PPODDPStrategy), ("2", PPODDPStrategy), (1, None)]
+)
+def test_auto_strategy_with_several_devices_is_ppo_ddp(devices, want, tmp_path):
+    trainer = PPOTrainer(devices=devices, accelerator="cpu", default_root_dir=str(tmp_path))
+    if want is None:
+        assert not isinstance(trainer.strategy, PPODDPStrategy)
+    else:
+        assert type(trainer.strategy) is want and trainer.num_devices == 2
+
+
 def test_check_strategy():
     check_strategy(DDPStrategy(), 1)  # one process: no gradient sync to conflict with
     check_strategy(PPODDPStrategy(), 4)

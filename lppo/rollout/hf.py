@@ -64,6 +64,11 @@ def encode_prompt(
     return ids
 
 
+#: ``prefill_tokens: auto``'s piece budget: a few thousand padded tokens keep each piece one
+#: efficient forward pass while rows of very different lengths go to different pieces.
+AUTO_PREFILL_TOKENS = 2048
+
+
 @dataclass
 class _Sample:
     """One generated sample (see :class:`GenerationOutput` for the fields)."""
@@ -110,6 +115,8 @@ class HFGenerateEngine(RecordsInitArgs):
             prefill's padding goes away. ``null``: ``generate``'s own one-pass prefill.
             Results equal the one-pass prefill's up to float round-off (a sampled token can
             differ where two tokens' probabilities tie within it). Full-attention models only.
+            ``auto`` (the default): :data:`AUTO_PREFILL_TOKENS` for a full-attention model,
+            else ``null`` (logged at setup).
         cache: the KV cache ``generate`` decodes with. ``dynamic``: Hugging Face's default,
             grown by concatenation (each new token copies the whole cache); ``static``: one
             ``StaticCache`` of prompt + ``max_new_tokens`` positions, written in place, which
@@ -127,7 +134,7 @@ class HFGenerateEngine(RecordsInitArgs):
         prepend_bos: bool = True,
         chat_template: bool = False,
         sort_by_length: bool = False,
-        prefill_tokens: int | None = None,
+        prefill_tokens: int | Literal["auto"] | None = "auto",
         cache: Literal["auto", "dynamic", "static"] = "auto",
     ) -> None:
         check_number(
@@ -138,14 +145,15 @@ class HFGenerateEngine(RecordsInitArgs):
             optional=True,
             fix="null generates all of an iteration's prompts in one batch.",
         )
-        check_number(
-            "model.engine.init_args.prefill_tokens",
-            prefill_tokens,
-            integer=True,
-            low=1,
-            optional=True,
-            fix="null prefills each generate batch in one pass.",
-        )
+        if prefill_tokens != "auto":
+            check_number(
+                "model.engine.init_args.prefill_tokens",
+                prefill_tokens,
+                integer=True,
+                low=1,
+                optional=True,
+                fix="null prefills each generate batch in one pass; auto picks for the model.",
+            )
         if cache not in ("auto", "dynamic", "static"):
             raise ValueError(
                 f"model.engine.init_args.cache={cache!r} is not a KV cache kind; "
@@ -153,6 +161,7 @@ class HFGenerateEngine(RecordsInitArgs):
             )
         self.batch_size = batch_size
         self.prefill_tokens = prefill_tokens
+        self.prefill_budget: int | None = None  # prefill_tokens resolved at setup
         self.cache = cache
         self.cache_kind: Literal["auto", "dynamic", "static"] = cache  # resolved at setup
         self.prepend_bos = prepend_bos
@@ -198,14 +207,21 @@ class HFGenerateEngine(RecordsInitArgs):
                 "template; use a tokenizer directory that has one (model.tokenizer_path) or "
                 "set chat_template: false"
             )
-        if self.prefill_tokens is not None or self.cache == "static":
+        if self.prefill_tokens not in (None, "auto") or self.cache == "static":
             check_full_attention(policy)
+        layer = other_cache_layer(policy)  # auto: full-attention models only
         self.cache_kind = self.cache
         if self.cache == "auto":
-            layer = other_cache_layer(policy)
             self.cache_kind = "dynamic" if layer else "static"
             if layer:
                 rank_zero_info(f"model.engine.init_args.cache=auto: dynamic (a {layer} layer)")
+        self.prefill_budget = self.prefill_tokens  # type: ignore[assignment]
+        if self.prefill_tokens == "auto":
+            self.prefill_budget = None if layer else AUTO_PREFILL_TOKENS
+            if layer:
+                rank_zero_info(
+                    f"model.engine.init_args.prefill_tokens=auto: one pass (a {layer} layer)"
+                )
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling
@@ -350,8 +366,8 @@ class HFGenerateEngine(RecordsInitArgs):
             attention_mask[r, width - len(ids) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         kwargs = {}
-        if self.prefill_tokens is not None or self.cache_kind == "static":
-            pieces = prefill_pieces([len(ids) for ids in batch], self.prefill_tokens)
+        if self.prefill_budget is not None or self.cache_kind == "static":
+            pieces = prefill_pieces([len(ids) for ids in batch], self.prefill_budget)
             static = width + config.max_new_tokens if self.cache_kind == "static" else None
             cache = prefilled_cache(self.model, input_ids, attention_mask, pieces, static)
             kwargs[cache_keyword(self.model)] = cache

@@ -10,6 +10,7 @@ import transformers
 
 from lppo.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, RolloutSettings
+from lppo.rollout.hf import AUTO_PREFILL_TOKENS
 from lppo.rollout.hf_prefill import prefill_pieces
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
@@ -52,14 +53,14 @@ def test_pieces_cover_every_row_once_within_the_budget() -> None:
         {"cache": "static"},
         {"prefill_tokens": 12, "cache": "static"},
         {"prefill_tokens": 1},
-        {},  # cache: auto, static for this full-attention model
+        {},  # auto: a static cache and prefill pieces for this full-attention model
     ],
 )
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_samples_equal_the_one_pass_prefill(knobs, ignore_eos) -> None:
     """Same tokens, texts and log-probs (float64: round-off never flips a sample)."""
     model = _model()
-    base = _generate(model, ignore_eos=ignore_eos, cache="dynamic")
+    base = _generate(model, ignore_eos=ignore_eos, prefill_tokens=None, cache="dynamic")
     out = _generate(model, ignore_eos=ignore_eos, **knobs)
     assert len({len(ids) for ids in base.input_ids}) > 3  # the prompts' lengths vary
     for a, b in zip(out.input_ids, base.input_ids, strict=True):
@@ -74,7 +75,7 @@ def test_samples_equal_the_one_pass_prefill(knobs, ignore_eos) -> None:
 
 def test_greedy_float32_equals_the_one_pass_prefill() -> None:
     model = _model("float32")
-    base = _generate(model, greedy=True, cache="dynamic")
+    base = _generate(model, greedy=True, prefill_tokens=None, cache="dynamic")
     out = _generate(model, greedy=True, prefill_tokens=16, cache="static")
     for a, b in zip(out.input_ids, base.input_ids, strict=True):
         assert torch.equal(a, b)
@@ -115,16 +116,19 @@ def test_sliding_window_models_are_refused_with_the_fix() -> None:
         engine = HFGenerateEngine(**knobs)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: nu"):
             engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
-    engine = HFGenerateEngine()  # cache: auto, dynamic for a sliding-window model
+    engine = HFGenerateEngine()  # auto: a dynamic cache and a one-pass prefill here
     engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
-    assert engine.cache_kind == "dynamic"
+    assert (engine.cache_kind, engine.prefill_budget) == ("dynamic", None)
 
 
-def test_auto_cache_is_static_for_full_attention() -> None:
+def test_auto_is_a_static_cache_and_prefill_pieces_for_full_attention() -> None:
     engine = HFGenerateEngine()
-    assert engine.cache == "auto"
+    assert (engine.cache, engine.prefill_tokens) == ("auto", "auto")
     engine.setup(_model(), TOK, RolloutSettings(max_new_tokens=3))
-    assert engine.cache_kind == "static"
+    assert (engine.cache_kind, engine.prefill_budget) == ("static", AUTO_PREFILL_TOKENS)
+    explicit = HFGenerateEngine(prefill_tokens=None)
+    explicit.setup(_model(), TOK, RolloutSettings(max_new_tokens=3))
+    assert explicit.prefill_budget is None
 
 
 def test_knobs_are_validated() -> None:
