@@ -116,7 +116,8 @@ class PPOTrainer(Trainer):
         for key, value in _DEFAULTS.items():
             if kwargs.get(key) is None:
                 kwargs[key] = value
-        if kwargs.get("strategy", "auto") == "auto" and _processes(kwargs) > 1:
+        # No default in .get() (see `logger` above): None is Lightning's "auto" too.
+        if kwargs.get("strategy") in (None, "auto") and _processes(kwargs) > 1:
             kwargs["strategy"] = STRATEGY_NAME
             rank_zero_info(f"trainer.strategy=auto with {_processes(kwargs)} processes: ppo_ddp")
         super().__init__(*args, **kwargs)

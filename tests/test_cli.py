@@ -291,6 +291,20 @@ def test_trainer_logger_is_parsed_as_a_class(
     assert config["init_args"]["save_dir"] == str(tmp_path / "csv")
 
 
+def test_trainer_strategy_is_parsed_as_a_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PPOTrainer reads ``strategy`` from its kwargs without a default, which would hide
+    Lightning's type from jsonargparse (``str | Untyped``) and drop the class form."""
+    strategy = ["--trainer.strategy", "lppo.strategy.PPOStrategy", "--trainer.devices", "2"]
+    strategy += ["--trainer.strategy.start_method", "spawn"]
+    with pytest.raises(SystemExit):
+        run([*fit_args(tmp_path / "run", *strategy), "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert config["class_path"] == "lppo.strategy.PPOStrategy"
+    assert config["init_args"]["start_method"] == "spawn"
+
+
 # --------------------------------------------------------------------------------- wandb
 def test_wandb_offline_run_records_the_config_inside_the_run_dir(tmp_path: Path) -> None:
     """A plain ``--trainer.logger WandbLogger``: files in the run dir, config recorded, CSV kept."""
