@@ -8,17 +8,10 @@ from typing import Literal
 
 import torch
 import transformers
-from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
-from lppo.rollout.hf_prefill import (
-    cache_keyword,
-    check_full_attention,
-    other_cache_layer,
-    prefill_pieces,
-    prefilled_cache,
-)
+from lppo.rollout.hf_prefill import cache_keyword, prefill_pieces, prefilled_cache, resolve_cache
 from lppo.rollout.hf_turns import continue_turns
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
@@ -62,11 +55,6 @@ def encode_prompt(
     if not ids:
         raise ValueError(f"prompt {text!r} encodes to no token")
     return ids
-
-
-#: ``prefill_tokens: auto``'s piece budget: a few thousand padded tokens keep each piece one
-#: efficient forward pass while rows of very different lengths go to different pieces.
-AUTO_PREFILL_TOKENS = 2048
 
 
 @dataclass
@@ -115,8 +103,8 @@ class HFGenerateEngine(RecordsInitArgs):
             prefill's padding goes away. ``null``: ``generate``'s own one-pass prefill.
             Results equal the one-pass prefill's up to float round-off (a sampled token can
             differ where two tokens' probabilities tie within it). Full-attention models only.
-            ``auto`` (the default): :data:`AUTO_PREFILL_TOKENS` for a full-attention model,
-            else ``null`` (logged at setup).
+            ``auto`` (the default): :data:`~lppo.rollout.hf_prefill.AUTO_PREFILL_TOKENS` for a
+            full-attention model, else ``null`` (logged at setup).
         cache: the KV cache ``generate`` decodes with. ``dynamic``: Hugging Face's default,
             grown by concatenation (each new token copies the whole cache); ``static``: one
             ``StaticCache`` of prompt + ``max_new_tokens`` positions, written in place, which
@@ -207,21 +195,9 @@ class HFGenerateEngine(RecordsInitArgs):
                 "template; use a tokenizer directory that has one (model.tokenizer_path) or "
                 "set chat_template: false"
             )
-        if self.prefill_tokens not in (None, "auto") or self.cache == "static":
-            check_full_attention(policy)
-        layer = other_cache_layer(policy)  # auto: full-attention models only
-        self.cache_kind = self.cache
-        if self.cache == "auto":
-            self.cache_kind = "dynamic" if layer else "static"
-            if layer:
-                rank_zero_info(f"model.engine.init_args.cache=auto: dynamic (a {layer} layer)")
-        self.prefill_budget = self.prefill_tokens  # type: ignore[assignment]
-        if self.prefill_tokens == "auto":
-            self.prefill_budget = None if layer else AUTO_PREFILL_TOKENS
-            if layer:
-                rank_zero_info(
-                    f"model.engine.init_args.prefill_tokens=auto: one pass (a {layer} layer)"
-                )
+        self.cache_kind, self.prefill_budget = resolve_cache(
+            policy, self.cache, self.prefill_tokens
+        )
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling

@@ -16,11 +16,17 @@ place, which avoids re-copying the whole cache at every step of a large batch).
 from __future__ import annotations
 
 import inspect
+from typing import Literal
 
 import torch
 import transformers
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
+
+#: ``prefill_tokens: auto``'s piece budget: a few thousand padded tokens keep each piece one
+#: efficient forward pass while rows of very different lengths go to different pieces.
+AUTO_PREFILL_TOKENS = 2048
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -135,6 +141,36 @@ def other_cache_layer(model: torch.nn.Module) -> str | None:
         if type(layer) is not DynamicLayer:
             return type(layer).__name__
     return None
+
+
+def resolve_cache(
+    model: torch.nn.Module,
+    cache: Literal["auto", "dynamic", "static"],
+    prefill_tokens: int | Literal["auto"] | None,
+) -> tuple[Literal["dynamic", "static"], int | None]:
+    """``HFGenerateEngine``'s ``cache`` and ``prefill_tokens`` for ``model``, ``auto`` resolved.
+
+    ``auto`` is ``static`` / :data:`AUTO_PREFILL_TOKENS` for a full-attention model, else
+    ``dynamic`` / ``None`` (one-pass prefill), with a log line naming the layer.
+
+    Returns:
+        The cache kind and the prefill piece budget.
+
+    Raises:
+        ValueError: an explicit static cache or piece budget for a model with a layer that is
+            not full attention (:func:`check_full_attention`).
+    """
+    if prefill_tokens not in (None, "auto") or cache == "static":
+        check_full_attention(model)
+    layer = other_cache_layer(model)
+    for key, value in (("cache", cache), ("prefill_tokens", prefill_tokens)):
+        if value == "auto" and layer:
+            fallback = "dynamic" if key == "cache" else "one pass"
+            rank_zero_info(f"model.engine.init_args.{key}=auto: {fallback} (a {layer} layer)")
+    kind = ("dynamic" if layer else "static") if cache == "auto" else cache
+    if prefill_tokens == "auto":
+        return kind, None if layer else AUTO_PREFILL_TOKENS
+    return kind, prefill_tokens
 
 
 def check_full_attention(model: torch.nn.Module) -> None:

@@ -10,8 +10,7 @@ import transformers
 
 from lppo.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, RolloutSettings
-from lppo.rollout.hf import AUTO_PREFILL_TOKENS
-from lppo.rollout.hf_prefill import prefill_pieces
+from lppo.rollout.hf_prefill import AUTO_PREFILL_TOKENS, prefill_pieces
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
 
