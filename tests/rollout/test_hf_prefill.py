@@ -100,7 +100,7 @@ def test_the_prefill_runs_in_narrow_pieces() -> None:
     assert min(width for _, width in prefill) < longest - 1
 
 
-def test_sliding_window_models_are_refused_with_the_fix() -> None:
+def test_sliding_window_models_are_refused_with_the_fix(caplog: pytest.LogCaptureFixture) -> None:
     cfg = transformers.MistralConfig(
         vocab_size=len(TOK),
         hidden_size=32,
@@ -116,8 +116,11 @@ def test_sliding_window_models_are_refused_with_the_fix() -> None:
         with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: nu"):
             engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
     engine = HFGenerateEngine()  # auto: a dynamic cache and a one-pass prefill here
-    engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
+    with caplog.at_level("INFO"):
+        engine.setup(model, TOK, RolloutSettings(max_new_tokens=3))
     assert (engine.cache_kind, engine.prefill_budget) == ("dynamic", None)
+    assert "cache=auto: dynamic (a DynamicSlidingWindowLayer layer)" in caplog.text
+    assert "prefill_tokens=auto: one pass (a DynamicSlidingWindowLayer layer)" in caplog.text
 
 
 def test_auto_is_a_static_cache_and_prefill_pieces_for_full_attention() -> None:
