@@ -29,7 +29,7 @@ from lppo.parallel import ProcessGroup
 from lppo.planner import RowLayout
 from lppo.replay.base import ReplayStore
 
-__all__ = ["Moves", "balanced_owners", "move_rows", "rank_loads"]
+__all__ = ["Moves", "balance_metrics", "balanced_owners", "move_rows", "rank_loads"]
 
 
 def rank_loads(lengths: Sequence[int], owners: Sequence[int], world: int) -> list[int]:
@@ -38,6 +38,22 @@ def rank_loads(lengths: Sequence[int], owners: Sequence[int], world: int) -> lis
     for n, r in zip(lengths, owners, strict=True):
         loads[r] += n
     return loads
+
+
+def balance_metrics(generated: RowLayout, rows: RowLayout, world: int) -> dict[str, float]:
+    """What balancing did, for the iteration's log.
+
+    Returns:
+        ``moved_rows`` (rows whose rank changed) and ``rank_token_imbalance`` (the busiest
+        rank's tokens over the mean, minus 1, after the moves).
+    """
+    loads = rank_loads(rows.meta.lengths, rows.owners, world)
+    mean = sum(loads) / world
+    moved = sum(a != b for a, b in zip(generated.owners, rows.owners, strict=True))
+    return {
+        "moved_rows": float(moved),
+        "rank_token_imbalance": max(loads) / mean - 1.0 if mean else 0.0,
+    }
 
 
 def balanced_owners(lengths: Sequence[int], owners: Sequence[int], world: int) -> tuple[int, ...]:

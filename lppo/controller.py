@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from lppo.balance import rank_loads
+from lppo.balance import balance_metrics
 from lppo.config import PPOConfig
 from lppo.critic_targets import AdvantagePhase, FirstEpochTargets, resolve_old_values
 from lppo.data import ReplayDataModule
@@ -287,11 +287,7 @@ class PPOController:
         stats, rollout_tokens = rollout_stats(rollout, group)
         stats.staleness = float(generation.staleness)
         if group.size > 1:
-            loads = rank_loads(rows.meta.lengths, rows.owners, group.size)
-            moved = sum(a != b for a, b in zip(generated.owners, rows.owners, strict=True))
-            mean = sum(loads) / group.size
-            imbalance = max(loads) / mean - 1.0 if mean else 0.0
-            stats.update({"moved_rows": moved, "rank_token_imbalance": imbalance})
+            stats.update(balance_metrics(generated, rows, group.size))
         return rows, stats, {"rollout": rollout_tokens}
 
     def _release(

@@ -9,7 +9,7 @@ from _builders import random_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.balance import Moves, balanced_owners, rank_loads
+from lppo.balance import Moves, balance_metrics, balanced_owners, rank_loads
 from lppo.data import ReplayDataModule
 from lppo.parallel import ProcessGroup
 from lppo.planner import RowLayout
@@ -27,6 +27,13 @@ def test_heavy_first_rank_gives_its_last_rows_to_the_next():
     new = balanced_owners(lengths, owners, 2)
     assert new == blocks([3, 5])  # 27 vs 21: the nearest row boundary to 24
     assert rank_loads(lengths, new, 2) == [27, 21]
+
+
+def test_metrics_count_moved_rows_and_the_busiest_ranks_excess():
+    meta = RowMeta(ids=(0, 1, 2, 3), lengths=(9, 9, 3, 3), valid_tokens=(1, 1, 1, 1))
+    generated = RowLayout(meta=meta, owners=(0, 0, 0, 1))
+    rows = RowLayout(meta=meta, owners=(0, 1, 1, 1))
+    assert balance_metrics(generated, rows, 2) == {"moved_rows": 2.0, "rank_token_imbalance": 0.25}
 
 
 def test_balanced_rows_do_not_move():
