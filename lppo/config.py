@@ -62,12 +62,16 @@ class PPOConfig:
             training epoch computes them, chunk by chunk: one forward pass fewer per
             iteration, the same numbers up to round-off; it needs no KL penalty in the
             reward, ``actor_minibatches: 1``, ``disable_dropout: true`` and no critic
-            warmup, :func:`~lppo.old_logprobs.actor_epoch_obstacles`), ``auto`` (the
-            default: ``actor`` where it is exact, else ``recompute``, logged at setup) or
-            ``rollout`` (the engine's sampling log-probabilities, ``gen_logprobs``: exact
-            when the engine samples from the actor's current weights at the same
-            temperature with no top-p / top-k / min-new-tokens truncation, e.g. the default
-            ``HFGenerateEngine``; otherwise the PPO ratio is off-policy).
+            warmup, :func:`~lppo.old_logprobs.actor_epoch_obstacles`), ``engine`` (the rollout
+            engine computes them while it samples: π's logits at the sampling temperature,
+            before top-p / top-k, at each sampled token; one forward pass fewer, the same
+            numbers up to round-off where the engine samples from the actor's own module on
+            the live weights, as the default ``HFGenerateEngine`` does,
+            :func:`~lppo.old_logprobs.engine_obstacles`), ``auto`` (the default: ``actor``
+            where it is exact, else ``engine`` where it is exact, else ``recompute``, logged
+            at setup) or ``rollout`` (the engine's sampling log-probabilities,
+            ``gen_logprobs``, which are π_old only with no top-p / top-k / min-new-tokens
+            truncation; otherwise the PPO ratio is off-policy).
         old_values: where the critic's old values come from: ``score`` (a forward pass of the
             critic over every row in the score phase) or ``critic`` (the critic's first
             training epoch computes them, and the advantages and returns, chunk by chunk: one
@@ -104,7 +108,7 @@ class PPOConfig:
     transactional: bool = False
     max_failed_iterations: int = 0
     disable_dropout: bool = True
-    old_logprobs: Literal["auto", "recompute", "actor", "rollout"] = "auto"
+    old_logprobs: Literal["auto", "recompute", "actor", "engine", "rollout"] = "auto"
     old_values: Literal["auto", "score", "critic"] = "auto"
 
     def __post_init__(self) -> None:
@@ -159,10 +163,10 @@ class PPOConfig:
         check_number("model.ppo.overlong_penalty", self.overlong_penalty, low=0)
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise SettingError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
-        if self.old_logprobs not in ("auto", "recompute", "actor", "rollout"):
+        if self.old_logprobs not in ("auto", "recompute", "actor", "engine", "rollout"):
             raise SettingError(
                 f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'auto', 'recompute', "
-                "'actor' or 'rollout'."
+                "'actor', 'engine' or 'rollout'."
             )
         self._check_old_values()
         check_number(

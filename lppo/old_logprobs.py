@@ -1,4 +1,4 @@
-"""Where π_old comes from: the score phase's forward pass, or the actor's first epoch.
+"""Where π_old comes from: the score phase's forward pass, the actor's first epoch, or the engine.
 
 With one optimizer step per actor epoch, the actor's weights through its first epoch are the
 weights the score phase would score π_old with, so that epoch's forward pass already computes
@@ -6,8 +6,12 @@ weights the score phase would score π_old with, so that epoch's forward pass al
 (what later epochs read) and measures the engine/trainer mismatch there instead of in the score
 phase. The ratio of that epoch is then exactly 1 and its gradient the on-policy one, the same
 numbers as with a separate score pass up to round-off, at one actor forward pass fewer per
-iteration. ``model.ppo.old_logprobs: auto`` (the default) picks it wherever that holds
-(:func:`resolve_old_logprobs`).
+iteration. Where something reads π_old before that epoch (a KL penalty in the reward, several
+actor minibatches, ...), the engine can give it instead: an engine that samples from the
+actor's own module computes π's logits for every sampled token anyway, and those at the
+sampling temperature, before any top-p / top-k processing, are π_old up to round-off
+(``engine``, :func:`engine_obstacles`). ``model.ppo.old_logprobs: auto`` (the default) picks
+the first of those that is exact here, else a separate pass (:func:`resolve_old_logprobs`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.chunks import unpad
@@ -26,7 +31,70 @@ from lppo.parallel import ProcessGroup
 from lppo.replay.base import ReplayStore
 from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, Chunk, StepPlan
 
-__all__ = ["FirstEpochLogprobs", "actor_epoch_obstacles", "resolve_old_logprobs"]
+__all__ = [
+    "FirstEpochLogprobs",
+    "actor_epoch_obstacles",
+    "engine_obstacles",
+    "resolve_old_logprobs",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSource:
+    """How a run's rows are generated, as far as π_old from the engine depends on it.
+
+    Attributes:
+        staleness: ``model.rollout.max_staleness`` (a runner in another thread or process
+            generates each row from a copy of the weights it is for, which at staleness 0 are
+            the weights π_old is of).
+        precision: ``trainer.precision`` (``"32-true"`` without a trainer).
+        shards_weights: the layout shards the weights (FSDP, megatron).
+    """
+
+    staleness: int
+    precision: str
+    shards_weights: bool
+
+
+#: What ``engine_obstacles`` says when nothing told the controller about the engine.
+NO_ENGINE = "no rollout engine known (a PPOController built without PPOSystem)"
+
+
+def engine_obstacles(
+    engine: object,
+    actor: ActorModule,
+    config: PPOConfig,
+    rows: RowSource,
+) -> list[str]:
+    """Why the engine's log-probs of π would not be the actor's π_old here (empty: they are).
+
+    They are when the engine says its forward pass is the actor's (``policy_logprob_obstacles``
+    of :class:`~lppo.rollout.HFGenerateEngine`: it samples from the module ``actor.policy()``
+    returns), that module is the one the actor trains (not a LoRA merge or a converted copy),
+    the actor keeps :class:`~lppo.modules.ActorModule`'s forward (``logits``,
+    ``token_logprobs``), the rows come from the current weights, dropout is off and the trainer
+    runs without autocast (``generate`` does) on whole weights.
+    """
+    reasons = []
+    if rows.staleness > 0:
+        reasons.append(f"model.rollout.max_staleness={rows.staleness} (rows of older weights)")
+    if "mixed" in rows.precision:
+        reasons.append(f"trainer.precision={rows.precision} (generate runs without autocast)")
+    if rows.shards_weights:
+        reasons.append("trainer.strategy shards the weights")
+    ask = getattr(engine, "policy_logprob_obstacles", None)
+    if ask is None:
+        reasons.append(f"{type(engine).__name__} does not give π's own log-probs")
+    else:
+        reasons += ask(actor.policy())
+        if actor.policy() is not actor.model:
+            reasons.append("the engine samples from a copy of the actor's model (LoRA merge)")
+    for method in ("logits", "token_logprobs"):
+        if getattr(type(actor), method) is not getattr(ActorModule, method):
+            reasons.append(f"{type(actor).__name__} overrides {method}")
+    if not config.disable_dropout:
+        reasons.append("model.ppo.disable_dropout=false")
+    return reasons
 
 
 def actor_epoch_obstacles(
@@ -59,21 +127,35 @@ def actor_epoch_obstacles(
 
 
 def resolve_old_logprobs(
-    config: PPOConfig, estimator: AdvantageEstimator, actor: ActorModule
+    config: PPOConfig,
+    estimator: AdvantageEstimator,
+    actor: ActorModule,
+    engine: list[str] | None = None,
 ) -> PPOConfig:
-    """``config`` with ``old_logprobs: auto`` made ``actor`` or ``recompute``.
+    """``config`` with ``old_logprobs: auto`` made ``actor``, ``engine`` or ``recompute``.
 
-    ``actor`` wherever :func:`actor_epoch_obstacles` finds none, else ``recompute`` with a log
-    line naming them. ``recompute`` and ``rollout`` are returned unchanged.
+    ``actor`` wherever :func:`actor_epoch_obstacles` finds none, else ``engine`` wherever
+    ``engine`` (:func:`engine_obstacles`) is empty, else ``recompute``, with a log line naming
+    the obstacles. ``recompute`` and ``rollout`` are returned unchanged, and so is ``engine``
+    when ``engine`` is ``None`` (PPOSystem resolved it).
 
     Raises:
-        SettingError: an explicit ``old_logprobs: actor`` where it would not be exact (the
+        SettingError: an explicit ``actor`` or ``engine`` where it would not be exact (the
             message names each obstacle).
     """
-    if config.old_logprobs in ("recompute", "rollout"):
+    mode = config.old_logprobs
+    if mode in ("recompute", "rollout") or (mode == "engine" and engine is None):
         return config
-    obstacles = actor_epoch_obstacles(config, estimator, actor)
-    return config.resolved("old_logprobs", "actor", "recompute", obstacles)
+    first_epoch = actor_epoch_obstacles(config, estimator, actor)
+    if mode == "actor" or not first_epoch:
+        return config.resolved("old_logprobs", "actor", "recompute", first_epoch)
+    engine = [NO_ENGINE] if engine is None else engine
+    if mode == "engine" or not engine:
+        if mode == "auto":
+            why = "; ".join(first_epoch)
+            rank_zero_info(f"model.ppo.old_logprobs=auto: engine (not the first epoch: {why})")
+        return config.resolved("old_logprobs", "engine", "recompute", engine)
+    return config.resolved("old_logprobs", "engine", "recompute", first_epoch + engine)
 
 
 class FirstEpochLogprobs:

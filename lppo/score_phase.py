@@ -32,6 +32,7 @@ from lppo.types import (
     RM_SCORE,
     TASK_REWARD,
     VALUES,
+    Chunk,
     EpisodeReport,
     RolloutStats,
     SamplingReport,
@@ -123,7 +124,10 @@ class ScorePhase:
         self.reference = reference
         self.reward_model = reward_model
         self.data = data
-        self.reuse_engine_logprobs = config.old_logprobs == "rollout"
+        #: Where this phase takes π_old from: the actor's forward pass (``recompute``), the
+        #: engine's sampling log-probs (``rollout``) or the ones the engine put with the rows
+        #: (``engine``); with ``actor`` the first epoch takes it, and this phase does nothing.
+        self.old_logprobs = config.old_logprobs if config.old_logprobs != "actor" else None
         self.score_actor = config.old_logprobs == "recompute"
         self.group = group
 
@@ -137,22 +141,20 @@ class ScorePhase:
     @torch.no_grad()
     def run(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
         """Score this rank's rows (``step``: the whole phase as one step); return metrics."""
-        if not self.models and not self.reuse_engine_logprobs:
+        if not self.models and self.old_logprobs is None:
             return {}  # old_logprobs: actor, and nothing else to score
         scores: dict[int, float] = {}
         mismatch = Mismatch()
-        for c, chunk in enumerate(self.data.stream(step, [GEN_LOGPROBS])):
+        wanted = [GEN_LOGPROBS, OLD_LOGPROBS] if self.old_logprobs == "engine" else [GEN_LOGPROBS]
+        for c, chunk in enumerate(self.data.stream(step, wanted)):
             if chunk.is_padding:
                 continue
             ctx.chunk = c
             columns = {}
-            if self.score_actor or self.reuse_engine_logprobs:
+            if self.old_logprobs is not None:
                 gen = chunk.gen_logprobs
                 assert gen is not None
-                if self.reuse_engine_logprobs:  # μ, masked as actor.score masks
-                    old = torch.where(chunk.response_mask, gen, torch.zeros_like(gen))
-                else:
-                    old = self.actor.score(chunk)
+                old = self._old_logprobs(chunk, gen)
                 # old_logprobs=rollout: π_old is μ, the mismatch (every IS weight) is 0 (1).
                 mismatch.add(old.cpu(), gen, chunk.response_mask, self.actor.off_policy)
                 columns[OLD_LOGPROBS] = unpad(chunk, old)
@@ -166,12 +168,29 @@ class ScorePhase:
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
         stats = {}
-        if self.score_actor or self.reuse_engine_logprobs:  # else the actor's first epoch
+        if self.old_logprobs is not None:  # else the actor's first epoch measures it
             mismatch.all_reduce(self.group)  # each rank scored only its own rows
             stats = mismatch.metrics()
         if self.reward_model is not None:
             stats.update(self.combine_rewards(self.reward_model, scores))
         return stats
+
+    def _old_logprobs(self, chunk: Chunk, gen: torch.Tensor) -> torch.Tensor:
+        """π_old ``float[B, T]`` of a chunk, 0 off the response mask (as ``actor.score``).
+
+        Args:
+            chunk: a score chunk (with ``old_logprobs`` under ``engine``).
+            gen: ``float[B, T]`` the engine's sampling log-probs of the chunk.
+        """
+        if self.old_logprobs == "recompute":
+            return self.actor.score(chunk)
+        given = gen if self.old_logprobs == "rollout" else chunk.old_logprobs
+        if given is None:
+            raise RuntimeError(
+                "model.ppo.old_logprobs=engine: a row came without the engine's π_old "
+                "(GenerationOutput.policy_logprobs); the engine was not asked for them."
+            )
+        return torch.where(chunk.response_mask, given, torch.zeros_like(given))
 
     def combine_rewards(self, model: RewardModel, scores: dict[int, float]) -> dict[str, float]:
         """Replace each scored row's reward by the reward model's combination (row scalars).

@@ -30,6 +30,7 @@ from lppo.hooks import PPOCallback
 from lppo.loop import attached_trainer, instantiated_by_cli
 from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule, RewardModel
+from lppo.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
@@ -220,7 +221,7 @@ class PPOSystem(LightningModule):
             self.actor,
             self.critic,
             data,
-            self.ppo,
+            self._old_logprobs(trainer, parallel),
             self.reference,
             callbacks,
             estimator=self.estimator,
@@ -285,6 +286,22 @@ class PPOSystem(LightningModule):
         )
         if self.ppo.kl_coef > 0 or self.actor.needs_reference:
             self.reference = self.actor.reference_policy()
+
+    def _old_logprobs(self, trainer: Any, parallel: ParallelContext) -> PPOConfig:
+        """``model.ppo`` with ``old_logprobs`` resolved (:mod:`lppo.old_logprobs`).
+
+        Under ``engine`` the engine is asked for π's log-probs with every sample.
+        """
+        rows = RowSource(
+            staleness=self.rollout.max_staleness,
+            precision=str(getattr(trainer, "precision", "32-true")),
+            shards_weights=parallel.layout.shards_weights(),
+        )
+        obstacles = engine_obstacles(self.engine, self.actor, self.ppo, rows)
+        config = resolve_old_logprobs(self.ppo, self.estimator, self.actor, obstacles)
+        if config.old_logprobs == "engine":
+            self.engine.return_policy_logprobs = True  # type: ignore[attr-defined]
+        return config
 
     def _check_vocabularies(self, tok: Any) -> None:
         """The tokenizer has every character of the task; each checkpoint has its vocabulary."""

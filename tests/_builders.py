@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from lppo.controller import PPOController
@@ -119,3 +120,17 @@ class ThresholdCopyTask(CopyTask):
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return float(super().reward(prompt, completion) >= self.threshold)
+
+
+def sliding_window_model(vocab_size: int) -> transformers.PreTrainedModel:
+    """A small Mistral whose layers attend over a window of 4 tokens."""
+    cfg = transformers.MistralConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    return transformers.MistralForCausalLM(cfg)

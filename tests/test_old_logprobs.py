@@ -7,6 +7,8 @@ round-off. ``auto`` (the default) picks ``actor`` wherever that holds.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,8 +31,10 @@ from lppo.validation import SettingError
 MISMATCH = ("mismatch_kl", "mismatch_max_abs_log_ratio", "mismatch_outside_fraction")
 
 
-def spec(seed: int) -> HFCausalLM:
-    return HFCausalLM(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=seed)
+def spec(seed: int, dtype: str = "float32") -> HFCausalLM:
+    return HFCausalLM(
+        hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=seed, dtype=dtype
+    )
 
 
 class OldLogprobs(PPOCallback):
@@ -48,15 +52,19 @@ class OldLogprobs(PPOCallback):
         self.stats.append(result.rollout.as_dict())
 
 
-def fit(root: Path, critic: bool, mode: str) -> tuple[PPOSystem, OldLogprobs]:
+def fit(
+    root: Path, critic: bool, mode: str, top_p: float = 1.0, **ppo: object
+) -> tuple[PPOSystem, OldLogprobs]:
     cap = OffPolicyCorrection(mode="truncate", cap=1.5)  # the IS weights read π_old too
     system = PPOSystem(
         actor=ActorModule(spec(0), lr=1e-3, off_policy=cap),
         critic=CriticModule(spec(1), lr=1e-3) if critic else None,
         estimator=GAE() if critic else GRPO(),
         task=CopyTask(),
-        rollout=RolloutSettings(prompts_per_iteration=8, samples_per_prompt=2, max_new_tokens=5),
-        ppo=PPOConfig(actor_epochs=2, old_logprobs=mode),  # type: ignore[arg-type]
+        rollout=RolloutSettings(
+            prompts_per_iteration=8, samples_per_prompt=2, max_new_tokens=5, top_p=top_p
+        ),
+        ppo=PPOConfig(actor_epochs=2, old_logprobs=mode, **ppo),  # type: ignore[arg-type]
         num_threads=1,
     )
     seen = OldLogprobs()
@@ -71,13 +79,9 @@ def fit(root: Path, critic: bool, mode: str) -> tuple[PPOSystem, OldLogprobs]:
     return system, seen
 
 
-def params(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in module.parameters()])
-
-
-@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "gae"])
-def test_first_epoch_logprobs_equal_the_score_pass_and_train_the_same(tmp_path, critic) -> None:
-    base, base_seen = fit(tmp_path / "recompute", critic, "recompute")
+@contextlib.contextmanager
+def counted_scores() -> Iterator[list[int]]:
+    """The ids of the actors whose ``score`` (a π_old forward pass) ran inside the block."""
     scored: list[int] = []
     score = ActorModule.score
 
@@ -85,22 +89,43 @@ def test_first_epoch_logprobs_equal_the_score_pass_and_train_the_same(tmp_path, 
         scored.append(id(self))
         return score(self, chunk)
 
-    ActorModule.score = counting
+    ActorModule.score = counting  # type: ignore[method-assign]
     try:
-        fused, seen = fit(tmp_path / "actor", critic, "auto")
+        yield scored
     finally:
-        ActorModule.score = score
-    assert fused.controller.config.old_logprobs == "actor"
-    assert id(fused.actor) not in scored  # no π_old forward pass in the score phase
+        ActorModule.score = score  # type: ignore[method-assign]
+
+
+def assert_trained_alike(
+    fused: tuple[PPOSystem, OldLogprobs], base: tuple[PPOSystem, OldLogprobs], atol: float
+) -> None:
+    """π_old as stored, the mismatch metrics and the trained actor agree to ``atol``."""
+    (system, seen), (base_system, base_seen) = fused, base
     assert len(seen.columns) == len(base_seen.columns) == 3
     for it in range(3):
         for a, b in zip(seen.columns[it], base_seen.columns[it], strict=True):
             torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-5)
         for key in (*MISMATCH, "reward_mean"):
-            assert seen.stats[it][key] == pytest.approx(base_seen.stats[it][key], abs=1e-6), key
-    torch.testing.assert_close(params(fused.actor), params(base.actor), rtol=0, atol=1e-5)
+            assert seen.stats[it][key] == pytest.approx(base_seen.stats[it][key], abs=atol), key
+    torch.testing.assert_close(params(system.actor), params(base_system.actor), rtol=0, atol=1e-5)
+
+
+def params(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "gae"])
+def test_first_epoch_logprobs_equal_the_score_pass_and_train_the_same(tmp_path, critic) -> None:
+    base = fit(tmp_path / "recompute", critic, "recompute")
+    with counted_scores() as scored:
+        fused = fit(tmp_path / "actor", critic, "auto")
+    assert fused[0].controller.config.old_logprobs == "actor"
+    assert id(fused[0].actor) not in scored  # no π_old forward pass in the score phase
+    assert_trained_alike(fused, base, atol=1e-6)
     if critic:
-        torch.testing.assert_close(params(fused.critic), params(base.critic), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            params(fused[0].critic), params(base[0].critic), rtol=0, atol=1e-5
+        )
 
 
 class OwnLoss(ActorModule):

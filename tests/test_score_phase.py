@@ -105,8 +105,8 @@ def test_reusing_engine_logprobs_skips_one_forward_and_trains_the_same(tmp_path:
 
 
 def test_old_logprobs_setting_is_validated() -> None:
-    with pytest.raises(ValueError, match=r"model\.ppo\.old_logprobs='engine'"):
-        PPOConfig(old_logprobs="engine")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"model\.ppo\.old_logprobs='engines'"):
+        PPOConfig(old_logprobs="engines")  # type: ignore[arg-type]
 
 
 def test_a_larger_no_grad_budget_scores_the_same_rows_alike(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from lppo.rollout.reward_call import RewardRaised, RewardTimeout, call_reward
 from lppo.tasks.base import Prompt, Task
 from lppo.types import (
     FOR_ITERATION,
+    OLD_LOGPROBS,
     POLICY_VERSION,
     TRUNCATED,
     TURN_REWARDS,
@@ -44,6 +45,10 @@ class GenerationOutput:
         response_mask: ``bool[L_i]`` per sample; ``True`` on response tokens (EOS included).
         gen_logprobs: ``float32[L_i]`` per sample; log-probability of each response token under
             the distribution it was sampled from (after temperature / top-p); 0 on the prompt.
+        policy_logprobs: ``float32[L_i]`` per sample, from an engine asked for them: each
+            response token's log-probability under π itself (the model's logits at the
+            sampling temperature, before top-p / top-k or any other processing: what the
+            actor scores as π_old); 0 on the prompt. ``None`` otherwise.
         completions: decoded response text per sample, without EOS or other special tokens.
         truncated: ``bool[n]``; ``True`` when a sample hit ``max_new_tokens`` without EOS.
         prompt_index: ``int64[n]``; index (into the ``prompts`` argument) each sample answers.
@@ -64,6 +69,7 @@ class GenerationOutput:
     prompt_index: torch.Tensor
     prompt_lengths: torch.Tensor
     dropped: int = 0
+    policy_logprobs: list[torch.Tensor] | None = None
     turn_rewards: list[torch.Tensor] | None = None
     episodes: EpisodeReport | None = None
 
@@ -73,7 +79,7 @@ class GenerationOutput:
     def select(self, rows: Sequence[int]) -> GenerationOutput:
         """The samples ``rows``, in that order (``dropped`` and ``episodes`` kept whole)."""
         index = torch.tensor(list(rows), dtype=torch.long)
-        turn_rewards = self.turn_rewards
+        turn_rewards, policy = self.turn_rewards, self.policy_logprobs
         return GenerationOutput(
             input_ids=[self.input_ids[i] for i in rows],
             response_mask=[self.response_mask[i] for i in rows],
@@ -83,6 +89,7 @@ class GenerationOutput:
             prompt_index=self.prompt_index[index],
             prompt_lengths=self.prompt_lengths[index],
             dropped=self.dropped,
+            policy_logprobs=None if policy is None else [policy[i] for i in rows],
             turn_rewards=None if turn_rewards is None else [turn_rewards[i] for i in rows],
             episodes=self.episodes,
         )
@@ -223,6 +230,11 @@ class RolloutEngine(Protocol):
     own copy of the weights (another process, vLLM) refreshes it in :meth:`sync_from`, which
     lppo calls after every actor phase and before any generation whose
     :attr:`weights_version` lags the policy's. :meth:`close` when the run ends.
+
+    Optional: an engine whose forward pass is the actor's own (``HFGenerateEngine``) may
+    define ``policy_logprob_obstacles(policy) -> list[str]`` (why its log-probs of π would not
+    be π_old; empty: they are) and then, once lppo sets its ``return_policy_logprobs`` to
+    ``True``, fill ``GenerationOutput.policy_logprobs`` (``model.ppo.old_logprobs: engine``).
 
     Attributes:
         weights_version: the policy ``weights_version`` the engine samples from (set by
@@ -457,6 +469,7 @@ def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
     if any(multi_turn) and not all(multi_turn):
         raise ValueError("concat_outputs: multi-turn and single-turn samples mixed")
     turn_rewards = [x for o in outputs for x in o.turn_rewards or []] if all(multi_turn) else None
+    with_policy = all(o.policy_logprobs is not None for o in outputs)
     return GenerationOutput(
         input_ids=[x for o in outputs for x in o.input_ids],
         response_mask=[x for o in outputs for x in o.response_mask],
@@ -466,6 +479,9 @@ def concat_outputs(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
         prompt_index=torch.cat([o.prompt_index for o in outputs]),
         prompt_lengths=torch.cat([o.prompt_lengths for o in outputs]),
         dropped=sum(o.dropped for o in outputs),
+        policy_logprobs=[x for o in outputs for x in o.policy_logprobs or []]
+        if outputs and with_policy
+        else None,
         turn_rewards=turn_rewards if outputs else None,
         episodes=merge_reports([o.episodes for o in outputs]),
     )
@@ -500,6 +516,8 @@ def to_rollout(
         extras[TRUNCATED] = list(output.truncated.to(torch.bool).unbind(0))
     if output.turn_rewards is not None:
         extras[TURN_REWARDS] = list(output.turn_rewards)
+    if output.policy_logprobs is not None:  # model.ppo.old_logprobs: engine
+        extras[OLD_LOGPROBS] = list(output.policy_logprobs)
     if provenance is not None:
         for name, value in zip((FOR_ITERATION, POLICY_VERSION), provenance, strict=True):
             extras[name] = [torch.tensor(value, dtype=torch.int64) for _ in range(len(output))]

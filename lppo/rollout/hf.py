@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -11,61 +10,19 @@ import transformers
 
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
-from lppo.rollout.hf_prefill import cache_keyword, prefill_pieces, prefilled_cache, resolve_cache
+from lppo.rollout.encoding import encode_prompt, prompt_text
+from lppo.rollout.hf_prefill import (
+    cache_keyword,
+    other_cache_layer,
+    prefill_pieces,
+    prefilled_cache,
+    resolve_cache,
+)
+from lppo.rollout.hf_samples import Sample, as_output, cut_samples, picked_logprobs
 from lppo.rollout.hf_turns import continue_turns
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
 from lppo.validation import check_number
-
-
-def prompt_text(
-    tokenizer: transformers.PreTrainedTokenizerBase, text: str, chat_template: bool
-) -> str:
-    """The text that is encoded for a prompt (one user turn of the chat template if asked)."""
-    if not chat_template:
-        return text
-    messages = [{"role": "user", "content": text}]
-    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-
-
-def encode_prompt(
-    tokenizer: transformers.PreTrainedTokenizerBase,
-    text: str,
-    prepend_bos: bool,
-    chat_template: bool,
-) -> list[int]:
-    """Token ids of a prompt, as every engine encodes it (with BOS in front when asked).
-
-    With ``chat_template`` the prompt is first wrapped as one user turn (the templated text is
-    encoded without the tokenizer's own special tokens); the BOS token is then added only if
-    the ids do not start with it, so it is never doubled.
-
-    Raises:
-        ValueError: if the prompt encodes to no token at all.
-    """
-    special = not chat_template
-    ids = list(
-        tokenizer(prompt_text(tokenizer, text, chat_template), add_special_tokens=special)[
-            "input_ids"
-        ]
-    )
-    bos = tokenizer.bos_token_id
-    if prepend_bos and bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, int(bos))
-    if not ids:
-        raise ValueError(f"prompt {text!r} encodes to no token")
-    return ids
-
-
-@dataclass
-class _Sample:
-    """One generated sample (see :class:`GenerationOutput` for the fields)."""
-
-    input_ids: torch.Tensor
-    response_mask: torch.Tensor
-    gen_logprobs: torch.Tensor
-    completion: str
-    truncated: bool
 
 
 class HFGenerateEngine(RecordsInitArgs):
@@ -156,6 +113,9 @@ class HFGenerateEngine(RecordsInitArgs):
         self.chat_template = chat_template
         self.sort_by_length = sort_by_length
         self.weights_version = 0
+        #: Return π's own log-probs with every sample (``GenerationOutput.policy_logprobs``);
+        #: set by :class:`~lppo.system.PPOSystem` when ``model.ppo.old_logprobs`` is ``engine``.
+        self.return_policy_logprobs = False
         self._model: transformers.PreTrainedModel | None = None
         self._tokenizer: transformers.PreTrainedTokenizerBase | None = None
         self.sampling = RolloutSettings()
@@ -205,6 +165,23 @@ class HFGenerateEngine(RecordsInitArgs):
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
 
+    def policy_logprob_obstacles(self, policy: torch.nn.Module) -> list[str]:
+        """Why this engine's log-probs of π would not be ``policy``'s π_old (empty: they are).
+
+        The engine samples from ``policy`` itself (the same module, so the same weights), and
+        ``generate``'s raw logits at the sampling temperature, before top-p, top-k or any other
+        processor, are the log-probabilities the actor scores, up to float round-off. That
+        holds for full-attention models (a sliding-window layer counts its window over the
+        left-padded batch, which the trainer does not pad) computing in at most float32
+        (``generate`` takes each step's logits in float32).
+        """
+        reasons = []
+        if (layer := other_cache_layer(policy)) is not None:
+            reasons.append(f"the policy has a {layer} layer (only full attention is exact)")
+        if any(p.dtype == torch.float64 for p in policy.parameters()):
+            reasons.append("generate rounds the float64 policy's logits to float32")
+        return reasons
+
     def sync_from(self, policy: torch.nn.Module, version: int) -> None:
         """Sample from ``policy``'s weights (copied in when it is not the engine's model)."""
         if policy is not self.model:
@@ -249,6 +226,7 @@ class HFGenerateEngine(RecordsInitArgs):
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_scores=True,
+            output_logits=self.return_policy_logprobs,
             use_cache=True,
             **kwargs,
         )
@@ -301,7 +279,7 @@ class HFGenerateEngine(RecordsInitArgs):
         step = self.batch_size or max(len(rows), 1)
         device = self.model.device
         config = self.generation_config(greedy)
-        samples: list[_Sample] = []
+        samples: list[Sample] = []
         was_training = self.model.training
         self.model.eval()
         rng_devices = [device] if device.type == "cuda" else []
@@ -313,26 +291,17 @@ class HFGenerateEngine(RecordsInitArgs):
                     samples += self._generate_batch(batch, config, device)
         finally:
             self.model.train(was_training)
-        placed: list[_Sample | None] = [None] * len(rows)
+        placed: list[Sample | None] = [None] * len(rows)
         for r, sample in zip(order, samples, strict=True):
             placed[r] = sample
-        samples = [x for x in placed if x is not None]
-        return GenerationOutput(
-            input_ids=[x.input_ids for x in samples],
-            response_mask=[x.response_mask for x in samples],
-            gen_logprobs=[x.gen_logprobs for x in samples],
-            completions=[x.completion for x in samples],
-            truncated=torch.tensor([x.truncated for x in samples], dtype=torch.bool),
-            prompt_index=torch.tensor([i for i, _ in rows], dtype=torch.int64),
-            prompt_lengths=torch.tensor([len(ids) for _, ids in rows], dtype=torch.int64),
-        )
+        return as_output([x for x in placed if x is not None], rows)
 
     def _generate_batch(
         self,
         batch: list[list[int]],
         config: transformers.GenerationConfig,
         device: torch.device,
-    ) -> list[_Sample]:
+    ) -> list[Sample]:
         """Generate for one left-padded batch of prompt ids (one row per sample)."""
         width = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.int64)
@@ -359,55 +328,9 @@ class HFGenerateEngine(RecordsInitArgs):
         tokens = result.sequences[:, width:].cpu()
         if len(result.scores) != tokens.shape[1]:
             raise RuntimeError(f"{len(result.scores)} score steps for {tokens.shape[1]} tokens")
-        return self._samples(batch, tokens, _picked_logprobs(result.scores, tokens))
-
-    def _samples(
-        self, batch: list[list[int]], tokens: torch.Tensor, logprobs: torch.Tensor
-    ) -> list[_Sample]:
-        """One sample per row of ``batch``: its response cut after the first EOS (kept).
-
-        Args:
-            batch: each row's prompt ids.
-            tokens: ``int64[B, T]`` generated tokens (CPU).
-            logprobs: ``float32[B, T]`` their log-probabilities (CPU).
-        """
-        samples = []
-        ignore_eos = self.sampling.ignore_eos
-        for r, ids in enumerate(batch):
-            is_eos = (tokens[r] == self.eos_token_id).nonzero()
-            done = is_eos.numel() > 0 and not ignore_eos
-            n = int(is_eos[0, 0]) + 1 if done else tokens.shape[1]
-            response = tokens[r, :n]
-            p = len(ids)
-            mask = torch.zeros(p + n, dtype=torch.bool)
-            mask[p:] = True
-            lp = torch.zeros(p + n, dtype=torch.float32)
-            lp[p:] = logprobs[r, :n]
-            text_ids = response[:-1] if done else response
-            samples.append(
-                _Sample(
-                    input_ids=torch.cat([torch.tensor(ids, dtype=torch.int64), response]),
-                    response_mask=mask,
-                    gen_logprobs=lp,
-                    completion=self.tokenizer.decode(text_ids.tolist(), skip_special_tokens=True),
-                    truncated=not (done or ignore_eos),
-                )
-            )
-        return samples
-
-
-def _picked_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each generated token under the processed (sampling) distribution.
-
-    Args:
-        scores: ``generate``'s processed scores, one ``[B, V]`` tensor per step.
-        tokens: ``int64[B, T]`` generated tokens, ``T = len(scores)``.
-
-    Returns:
-        ``float32[B, T]`` on CPU.
-    """
-    picked = [
-        torch.log_softmax(s.float(), dim=-1).gather(1, tokens[:, j, None].to(s.device))
-        for j, s in enumerate(scores)
-    ]
-    return torch.stack(picked, dim=1).squeeze(-1).cpu()
+        policy = None
+        if self.return_policy_logprobs:  # π at the temperature the actor scores with
+            policy = picked_logprobs(result.logits, tokens, self.sampling.temperature)
+        logprobs = (picked_logprobs(result.scores, tokens), policy)
+        eos, ignore_eos = self.eos_token_id, self.sampling.ignore_eos
+        return cut_samples(batch, tokens, logprobs, self.tokenizer, eos, ignore_eos)

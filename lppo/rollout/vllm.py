@@ -28,7 +28,7 @@ import transformers
 from lppo.init_args import RecordsInitArgs
 from lppo.layouts.fsdp import whole_state_dict
 from lppo.rollout.base import GenerationOutput, RolloutSettings
-from lppo.rollout.hf import encode_prompt
+from lppo.rollout.encoding import encode_prompt
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
 
@@ -294,7 +294,7 @@ class VLLMEngine(RecordsInitArgs):
         )
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a prompt (:func:`~lppo.rollout.hf.encode_prompt`)."""
+        """Token ids of a prompt (:func:`~lppo.rollout.encoding.encode_prompt`)."""
         return encode_prompt(self.tokenizer, text, self.prepend_bos, self.chat_template)
 
     def continue_turns(

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 import transformers
+from _builders import sliding_window_model
 
 from lppo.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, RolloutSettings
@@ -101,16 +102,7 @@ def test_the_prefill_runs_in_narrow_pieces() -> None:
 
 
 def test_sliding_window_models_are_refused_with_the_fix(caplog: pytest.LogCaptureFixture) -> None:
-    cfg = transformers.MistralConfig(
-        vocab_size=len(TOK),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-    )
-    model = transformers.MistralForCausalLM(cfg)
+    model = sliding_window_model(len(TOK))
     for knobs in ({"prefill_tokens": 64}, {"cache": "static"}):
         engine = HFGenerateEngine(**knobs)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"prefill_tokens.*SlidingWindow.*prefill_tokens: nu"):
