@@ -146,14 +146,15 @@ def resolve_old_logprobs(
     mode = config.old_logprobs
     if mode in ("recompute", "rollout") or (mode == "engine" and engine is None):
         return config
+    engine = [NO_ENGINE] if engine is None else engine
+    if mode == "engine":
+        return config.resolved("old_logprobs", "engine", "recompute", engine)
     first_epoch = actor_epoch_obstacles(config, estimator, actor)
     if mode == "actor" or not first_epoch:
         return config.resolved("old_logprobs", "actor", "recompute", first_epoch)
-    engine = [NO_ENGINE] if engine is None else engine
-    if mode == "engine" or not engine:
-        if mode == "auto":
-            why = "; ".join(first_epoch)
-            rank_zero_info(f"model.ppo.old_logprobs=auto: engine (not the first epoch: {why})")
+    if not engine:
+        why = "; ".join(first_epoch)
+        rank_zero_info(f"model.ppo.old_logprobs=auto: engine (not the first epoch: {why})")
         return config.resolved("old_logprobs", "engine", "recompute", engine)
     return config.resolved("old_logprobs", "engine", "recompute", first_epoch + engine)
 

@@ -161,6 +161,8 @@ def test_auto_prefers_the_first_epoch_then_the_engine_then_a_pass(caplog) -> Non
     assert "kl_coef=0.1 (the KL reward reads π_old); OwnEngine does not give" in caplog.text
     # Built without PPOSystem, the controller knows no engine: recompute.
     assert controller(kl, None).config.old_logprobs == "recompute"
-    explicit = dataclasses.replace(kl, old_logprobs="engine")
-    with pytest.raises(SettingError, match=r"old_logprobs=engine would not .*OwnEngine does"):
-        controller(explicit, ["OwnEngine does not give"])
+    for given in (kl, PPOConfig()):  # explicit: checked, whether or not actor would apply
+        explicit = dataclasses.replace(given, old_logprobs="engine")
+        assert controller(explicit, []).config.old_logprobs == "engine"
+        with pytest.raises(SettingError, match=r"old_logprobs=engine would not .*OwnEngine do"):
+            controller(explicit, ["OwnEngine does not give"])
