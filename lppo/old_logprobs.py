@@ -72,8 +72,8 @@ def engine_obstacles(
     of :class:`~lppo.rollout.HFGenerateEngine`: it samples from the module ``actor.policy()``
     returns), that module is the one the actor trains (not a LoRA merge or a converted copy),
     the actor keeps :class:`~lppo.modules.ActorModule`'s forward (``logits``,
-    ``token_logprobs``), the rows come from the current weights, dropout is off and the trainer
-    runs without autocast (``generate`` does) on whole weights.
+    ``token_logprobs``) and ``policy``, the rows come from the current weights, dropout is off
+    and the trainer runs without autocast (``generate`` does) on whole weights.
     """
     reasons = []
     if rows.staleness > 0:
@@ -82,19 +82,23 @@ def engine_obstacles(
         reasons.append(f"trainer.precision={rows.precision} (generate runs without autocast)")
     if rows.shards_weights:
         reasons.append("trainer.strategy shards the weights")
+    overrides = [m for m in ("logits", "token_logprobs", "policy") if _overrides(actor, m)]
+    reasons += [f"{type(actor).__name__} overrides {m}" for m in overrides]
     ask = getattr(engine, "policy_logprob_obstacles", None)
     if ask is None:
         reasons.append(f"{type(engine).__name__} does not give π's own log-probs")
-    else:
-        reasons += ask(actor.policy())
-        if actor.policy() is not actor.model:
-            reasons.append("the engine samples from a copy of the actor's model (LoRA merge)")
-    for method in ("logits", "token_logprobs"):
-        if getattr(type(actor), method) is not getattr(ActorModule, method):
-            reasons.append(f"{type(actor).__name__} overrides {method}")
+    elif actor.lora is not None:
+        reasons.append("the engine samples from a copy of the actor's model (LoRA merge)")
+    elif not overrides:  # ActorModule.policy() is then the module the actor trains
+        reasons += ask(actor.model)
     if not config.disable_dropout:
         reasons.append("model.ppo.disable_dropout=false")
     return reasons
+
+
+def _overrides(actor: ActorModule, method: str) -> bool:
+    """Whether ``actor``'s class replaces :class:`~lppo.modules.ActorModule`'s ``method``."""
+    return getattr(type(actor), method) is not getattr(ActorModule, method)
 
 
 def actor_epoch_obstacles(
@@ -121,7 +125,7 @@ def actor_epoch_obstacles(
         reasons.append("model.ppo.disable_dropout=false")
     if config.critic_warmup_iterations > 0:
         reasons.append(f"model.ppo.critic_warmup_iterations={config.critic_warmup_iterations}")
-    if type(actor).chunk_loss is not ActorModule.chunk_loss:
+    if _overrides(actor, "chunk_loss"):
         reasons.append(f"{type(actor).__name__} overrides chunk_loss")
     return reasons
 

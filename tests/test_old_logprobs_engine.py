@@ -94,6 +94,13 @@ class OwnLogits(ActorModule):
         return super().logits(chunk, start)
 
 
+class OwnPolicy(ActorModule):
+    """A user's actor that hands the engine another module."""
+
+    def policy(self):
+        return super().policy()
+
+
 def sliding_window_actor() -> ActorModule:
     module = ActorModule(spec(0))
     module.model = sliding_window_model(len(TOK))
@@ -119,6 +126,7 @@ def test_the_engine_gives_pi_old_only_where_that_is_exact() -> None:
     assert case() == []
     assert case(OwnEngine()) == ["OwnEngine does not give π's own log-probs"]
     assert case(actor=built(OwnLogits(spec(0)))) == ["OwnLogits overrides logits"]
+    assert case(actor=built(OwnPolicy(spec(0)))) == ["OwnPolicy overrides policy"]
     lora = built(ActorModule(spec(0), lora=LoRA(r=4, alpha=8)))
     assert case(actor=lora) == ["the engine samples from a copy of the actor's model (LoRA merge)"]
     assert case(actor=sliding_window_actor()) == [
