@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import lightning.pytorch as pl
 
 from lppo.hooks import PPOCallback
-from lppo.rollout.base import RewardError
+from lppo.rollout.reward_call import RewardError
 from lppo.run_log import RunLog
 from lppo.tasks.base import Prompt, Task
 from lppo.types import iteration_label, iteration_number

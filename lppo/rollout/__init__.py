@@ -4,12 +4,10 @@ from lppo.rollout.base import (
     TRUNCATED,
     GenerationOutput,
     PromptBlock,
-    RewardError,
     RolloutEngine,
     RolloutSettings,
     RowJob,
     StoreWritingEngine,
-    score,
     to_rollout,
 )
 from lppo.rollout.evaluation import EvalSamples
@@ -17,6 +15,7 @@ from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.multi_turn import MultiTurnEngine
 from lppo.rollout.process_runner import ProcessRunner
 from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
+from lppo.rollout.reward_call import RewardError, score
 from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
 from lppo.rollout.turns import TurnEngine, TurnRequest, TurnSample

@@ -10,7 +10,8 @@ import torch
 from lppo.ray_runtime import ray_module
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
-from lppo.rollout.base import GenerationOutput, RolloutEngine, score, to_rollout
+from lppo.rollout.base import GenerationOutput, RolloutEngine, to_rollout
+from lppo.rollout.reward_call import score
 from lppo.tasks.base import Prompt, Task
 
 __all__ = ["RolloutWorker", "RolloutWorkerError"]

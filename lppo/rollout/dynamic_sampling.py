@@ -27,9 +27,9 @@ from lppo.rollout.base import (
     PromptBlock,
     RolloutEngine,
     concat_outputs,
-    score,
     to_rollout,
 )
+from lppo.rollout.reward_call import score
 from lppo.tasks.base import Task
 from lppo.types import Rollout, SamplingReport
 

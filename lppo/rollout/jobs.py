@@ -25,10 +25,10 @@ from lppo.rollout.base import (
     RolloutEngine,
     RolloutSettings,
     concat_outputs,
-    score,
     to_rollout,
 )
 from lppo.rollout.dynamic_sampling import generate_dynamic
+from lppo.rollout.reward_call import score
 from lppo.tasks.base import Prompt, Task
 from lppo.types import Rollout
 

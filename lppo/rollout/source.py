@@ -29,15 +29,14 @@ from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout, put_rollout
 from lppo.rollout.base import (
     PromptBlock,
-    RewardError,
     RolloutEngine,
     RolloutSettings,
     RowJob,
     StoreWritingEngine,
-    score,
 )
 from lppo.rollout.evaluation import EvalSamples, undisturbed
 from lppo.rollout.jobs import RolloutJob, generate_blocks
+from lppo.rollout.reward_call import RewardError, score
 from lppo.tasks import Task
 from lppo.tasks.base import Prompt
 from lppo.types import Rollout, iteration_label
