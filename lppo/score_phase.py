@@ -128,13 +128,12 @@ class ScorePhase:
         #: engine's sampling log-probs (``rollout``) or the ones the engine put with the rows
         #: (``engine``); with ``actor`` the first epoch takes it, and this phase does nothing.
         self.old_logprobs = config.old_logprobs if config.old_logprobs != "actor" else None
-        self.score_actor = config.old_logprobs == "recompute"
         self.group = group
 
     @property
     def models(self) -> list[torch.nn.Module]:
         """The modules whose forwards this phase runs (each rank its own number of them)."""
-        actor = self.actor if self.score_actor else None
+        actor = self.actor if self.old_logprobs == "recompute" else None
         found = (actor, self.critic, self.reference, self.reward_model)
         return [m for m in found if m is not None]
 
