@@ -64,7 +64,7 @@ class TrainingState:
         scheduler = module.scheduler
         return cls(
             parameters=[p.detach().clone() for p in module.trainable_parameters()],
-            optimizer=None if optimizer is None else copy.deepcopy(optimizer.state_dict()),
+            optimizer=None if optimizer is None else _copied(optimizer.state_dict()),
             scheduler=None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
         )
 
@@ -97,6 +97,21 @@ class TrainingState:
         return total
 
 
+def _copied(value: Any) -> Any:
+    """A deep copy of a state dict: tensors cloned, dicts and lists walked, the rest deep-copied.
+
+    Same result as ``copy.deepcopy`` for an optimizer's state dict, in about half the time
+    (no memo bookkeeping per tensor).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copied(v) for v in value)
+    return copy.deepcopy(value)
+
+
 class Transaction:
     """The training state of several modules at one point; :meth:`rollback` restores all.
 
@@ -123,8 +138,10 @@ def parameters_finite(module: Trainable) -> bool:
     params = [p.detach() for p in module.trainable_parameters()]
     if not params:
         return True
-    local = [local_part(p) for p in params]
-    finite = torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=float("inf")))
+    # min and max of each tensor: NaN propagates through both, ±inf is one of them, and
+    # aminmax is one cheap pass (an inf-norm is several times slower on CPU).
+    bounds = [torch.stack(torch.aminmax(t)) for t in map(local_part, params) if t.numel()]
+    finite = torch.isfinite(torch.cat(bounds)).all() if bounds else torch.tensor(True)
     if not any(is_sharded(p) for p in params):
         return bool(finite)
     group = module.parallel.data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Literal
 
 import torch
@@ -11,12 +12,13 @@ import transformers
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.encoding import encode_prompt, prompt_text
+from lppo.rollout.hf_attention import filled_part_decode
 from lppo.rollout.hf_prefill import (
     cache_keyword,
     other_cache_layer,
-    prefill_pieces,
     prefilled_cache,
     resolve_cache,
+    shared_prefill_pieces,
 )
 from lppo.rollout.hf_samples import Sample, as_output, cut_samples, picked_logprobs
 from lppo.rollout.hf_turns import continue_turns
@@ -57,7 +59,8 @@ class HFGenerateEngine(RecordsInitArgs):
         prefill_tokens: prefill each ``generate`` batch in length-sorted pieces of at most
             this many left-padded prompt tokens, then decode the whole batch together
             (:mod:`lppo.rollout.hf_prefill`): with prompt lengths that vary, most of the
-            prefill's padding goes away. ``null``: ``generate``'s own one-pass prefill.
+            prefill's padding goes away, and the samples of one prompt share its prefill.
+            ``null``: ``generate``'s own one-pass prefill.
             Results equal the one-pass prefill's up to float round-off (a sampled token can
             differ where two tokens' probabilities tie within it). Full-attention models only.
             ``auto`` (the default): :data:`~lppo.rollout.hf_prefill.AUTO_PREFILL_TOKENS` for a
@@ -67,8 +70,10 @@ class HFGenerateEngine(RecordsInitArgs):
             ``StaticCache`` of prompt + ``max_new_tokens`` positions, written in place, which
             is much faster for large batches and holds that full size from the start (the
             size a dynamic cache reaches when any row runs to ``max_new_tokens``; the same
-            samples). Full-attention models only. ``auto`` (the default): ``static`` for a
-            full-attention model, else ``dynamic`` (logged at setup).
+            samples). With ``sdpa`` attention each decode step reads only the cache's filled
+            part (:mod:`lppo.rollout.hf_attention`). Full-attention models only. ``auto``
+            (the default): ``static`` for a full-attention model, else ``dynamic`` (logged
+            at setup).
     """
 
     resume_safe = ("batch_size",)  # a resumed run may regroup its generate calls
@@ -311,20 +316,22 @@ class HFGenerateEngine(RecordsInitArgs):
             attention_mask[r, width - len(ids) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         kwargs = {}
-        if self.prefill_budget is not None or self.cache_kind == "static":
-            pieces = prefill_pieces([len(ids) for ids in batch], self.prefill_budget)
-            static = width + config.max_new_tokens if self.cache_kind == "static" else None
-            cache = prefilled_cache(self.model, input_ids, attention_mask, pieces, static)
+        static = self.cache_kind == "static"
+        if self.prefill_budget is not None or static:
+            pieces, sources = shared_prefill_pieces(batch, self.prefill_budget)
+            length = width + config.max_new_tokens if static else None
+            cache = prefilled_cache(self.model, input_ids, attention_mask, pieces, length, sources)
             kwargs[cache_keyword(self.model)] = cache
-        result = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            # Each rank generates its own rows with full weights (under FSDP, inside the
-            # layout's gathered()); HF would otherwise sync ranks per token for FSDP modules.
-            synced_gpus=False,
-            **kwargs,
-        )
+        with filled_part_decode(self.model) if static else nullcontext():
+            result = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                # Each rank generates its own rows with full weights (under FSDP, inside the
+                # layout's gathered()); HF would otherwise sync ranks per token for FSDP modules.
+                synced_gpus=False,
+                **kwargs,
+            )
         tokens = result.sequences[:, width:].cpu()
         if len(result.scores) != tokens.shape[1]:
             raise RuntimeError(f"{len(result.scores)} score steps for {tokens.shape[1]} tokens")

@@ -61,6 +61,29 @@ def prefill_pieces(lengths: list[int], max_tokens: int | None) -> list[list[int]
     return pieces
 
 
+def shared_prefill_pieces(
+    prompts: list[list[int]], max_tokens: int | None
+) -> tuple[list[list[int]], list[int]]:
+    """:func:`prefill_pieces` over distinct prompts; rows repeating a prompt copy its prefix.
+
+    Several samples of one prompt (``samples_per_prompt``, GRPO's group) have the same keys
+    and values over the prompt, so each distinct prompt is prefilled once.
+
+    Args:
+        prompts: each row's prompt ids.
+        max_tokens: padded-token budget of one piece.
+
+    Returns:
+        ``(pieces, sources)``: the pieces, over the first row of each distinct prompt, and for
+        every row the row whose prefix it takes (itself for those first rows).
+    """
+    first: dict[tuple[int, ...], int] = {}
+    sources = [first.setdefault(tuple(ids), r) for r, ids in enumerate(prompts)]
+    distinct = [r for r, source in enumerate(sources) if source == r]
+    pieces = prefill_pieces([len(prompts[r]) for r in distinct], max_tokens)
+    return [[distinct[i] for i in piece] for piece in pieces], sources
+
+
 def _prefix_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids as ``generate`` derives them from a left-padding mask (``int64[B, T]``)."""
     positions = attention_mask.long().cumsum(-1) - 1
@@ -74,6 +97,7 @@ def prefilled_cache(
     attention_mask: torch.Tensor,
     pieces: list[list[int]],
     static_length: int | None,
+    sources: list[int] | None = None,
 ) -> transformers.Cache:
     """A KV cache of every prompt position but the last, filled piece by piece.
 
@@ -87,6 +111,8 @@ def prefilled_cache(
         pieces: row indices of each prefill forward (:func:`prefill_pieces`).
         static_length: ``None`` for a ``DynamicCache``; otherwise the ``StaticCache`` length
             (at least ``W`` + the tokens to generate).
+        sources: for every row, the row of ``pieces`` holding the same prompt, whose prefix
+            it copies (:func:`shared_prefill_pieces`); ``None``: every row is in ``pieces``.
     """
     width = input_ids.shape[1]
     keyword = cache_keyword(model)
@@ -117,6 +143,12 @@ def prefilled_cache(
         for i, layer in enumerate(piece.layers):
             keys[i][rows, :, cols] = layer.keys
             values[i][rows, :, cols] = layer.values
+    copies = [r for r, source in enumerate(sources or []) if source != r]
+    if keys and copies:
+        origin = [sources[r] for r in copies]  # type: ignore[index]
+        for tensors in (keys, values):
+            for t in tensors:
+                t[copies] = t[origin]
     if static is not None:
         if keys:  # the prefix was written in place: record its length
             for layer in static.layers:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from _builders import tiny_backbone
@@ -14,8 +16,8 @@ from lppo.modules.snapshot import TrainingState, parameters_finite
 ROLES = ["actor", "critic"]
 
 
-def exploding_optimizer(params):
-    """SGD whose second step writes inf into one parameter (a finite gradient norm)."""
+def exploding_optimizer(params, value: float = float("inf")):
+    """SGD whose second step writes ``value`` into one parameter (a finite gradient norm)."""
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     calls = []
 
@@ -23,15 +25,17 @@ def exploding_optimizer(params):
         calls.append(1)
         if len(calls) == 2:
             with torch.no_grad():
-                optimizer.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+                optimizer.param_groups[0]["params"][0].view(-1)[-1] = value
 
     opt.register_step_post_hook(hook)
     return opt
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("role", ROLES)
-def test_a_step_that_makes_a_parameter_non_finite_is_undone_bitwise(role):
-    module = make(role, optimizer=exploding_optimizer, max_grad_norm=None)
+def test_a_step_that_makes_a_parameter_non_finite_is_undone_bitwise(role, value):
+    factory = functools.partial(exploding_optimizer, value=value)
+    module = make(role, optimizer=factory, max_grad_norm=None)
     store, epoch = setup(n=4)
     assert run_step(module, store, epoch.steps[0], role).stepped
     state, optim = snapshot(module)

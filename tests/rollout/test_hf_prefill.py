@@ -11,7 +11,7 @@ from _builders import sliding_window_model
 
 from lppo.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, RolloutSettings
-from lppo.rollout.hf_prefill import AUTO_PREFILL_TOKENS, prefill_pieces
+from lppo.rollout.hf_prefill import AUTO_PREFILL_TOKENS, prefill_pieces, shared_prefill_pieces
 from lppo.tasks import CopyTask
 from lppo.tokenizer import build_char_tokenizer
 
@@ -99,6 +99,26 @@ def test_the_prefill_runs_in_narrow_pieces() -> None:
     assert all(rows * width <= 12 or rows == 1 for rows, width in prefill)
     longest = max(len(TOK(p.text)["input_ids"]) for p in PROMPTS) + 1  # + BOS
     assert min(width for _, width in prefill) < longest - 1
+
+
+def test_each_distinct_prompt_is_prefilled_once() -> None:
+    """samples_per_prompt=2: the prefill forwards hold each prompt once, the cache every row."""
+    model = _model()
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: (
+            rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        _generate(model, prefill_tokens=10_000)
+    finally:
+        hook.remove()
+    distinct = len({p.text for p in PROMPTS})
+    assert rows and sum(rows) == distinct  # batch_size 8 of 20 rows: 3 generate calls
+    pieces, sources = shared_prefill_pieces([[1, 2], [3], [1, 2], [3], [4, 5]], None)
+    assert pieces == [[1, 0, 4]] and sources == [0, 1, 0, 1, 4]
 
 
 def test_sliding_window_models_are_refused_with_the_fix(caplog: pytest.LogCaptureFixture) -> None:
