@@ -43,7 +43,9 @@ def test_objective_config_learns(tmp_path, config):
     """configs/gspo.yaml, configs/dapo.yaml and configs/lora.yaml learn the default task (seed
     0, measured 2026-12-03: GSPO 0.21 -> 0.84, DAPO 0.21 -> 0.73 of the task's reward over every
     first-round sample, ``rollout/sampled_reward_mean``, the overlong punishment not in it; LoRA
-    0.20 -> 0.66)."""
+    0.20 -> 0.66). DAPO's gain over seeds 0-4 spans +0.24 to +0.80 (2026-12-06, with
+    ``generate``'s multinomial and with the Gumbel sampler, docs/benchmarks/configs.md), so its
+    bar is +0.2; a run that does not learn gains about 0."""
     run(["fit", "--config", str(ROOT / "configs" / config), "--trainer.default_root_dir",
          str(tmp_path)])  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -53,7 +55,8 @@ def test_objective_config_learns(tmp_path, config):
     key = "rollout/sampled_reward_mean" if config == "dapo.yaml" else "rollout/reward_mean"
     reward = [float(r[key]) for r in rows if r.get(key)]
     assert len(reward) == 80
-    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.3, reward
+    bar = 0.2 if config == "dapo.yaml" else 0.3
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + bar, reward
     if config == "dapo.yaml":
         assert (
             sum(float(r["rollout/uniform_groups"]) for r in rows if r.get("rollout/uniform_groups"))

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 import transformers
+from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
@@ -20,6 +21,7 @@ from lppo.rollout.hf_prefill import (
     resolve_cache,
     shared_prefill_pieces,
 )
+from lppo.rollout.hf_sampler import GumbelSampler, gumbel_obstacles
 from lppo.rollout.hf_samples import Sample, as_output, cut_samples, picked_logprobs
 from lppo.rollout.hf_turns import continue_turns
 from lppo.rollout.turns import TurnRequest, TurnSample
@@ -36,8 +38,11 @@ class HFGenerateEngine(RecordsInitArgs):
     ``generate`` under a forked global RNG seeded with the call's ``seed``, so the caller's RNG
     is never disturbed.
 
-    Generation log-probabilities are those of the *processed* scores ``generate`` samples from
-    (temperature, top-p, top-k and any processor of the model's generation config applied).
+    Tokens are drawn by :class:`~lppo.rollout.hf_sampler.GumbelSampler` inside ``generate``
+    (its distribution, from vectorized noise instead of ``torch.multinomial``), unless the
+    model's generation config asks for a warper it does not apply. Generation log-probabilities
+    are those of the *processed* scores the tokens are drawn from (temperature, top-p, top-k
+    and any processor of the model's generation config applied).
     Sampling settings come from :class:`~lppo.rollout.RolloutSettings` (``model.rollout``).
 
     Args:
@@ -124,6 +129,8 @@ class HFGenerateEngine(RecordsInitArgs):
         self._model: transformers.PreTrainedModel | None = None
         self._tokenizer: transformers.PreTrainedTokenizerBase | None = None
         self.sampling = RolloutSettings()
+        #: Sample with :class:`~lppo.rollout.hf_sampler.GumbelSampler` (resolved at setup).
+        self.gumbel = True
 
     @property
     def model(self) -> transformers.PreTrainedModel:
@@ -166,6 +173,13 @@ class HFGenerateEngine(RecordsInitArgs):
         self._model = policy  # type: ignore[assignment]
         self._tokenizer = tokenizer
         self.sampling = sampling
+        obstacles = gumbel_obstacles(policy.generation_config)  # type: ignore[arg-type]
+        self.gumbel = not obstacles
+        if obstacles:
+            rank_zero_info(
+                "HFGenerateEngine samples with generate's torch.multinomial: the model's "
+                f"generation config sets {', '.join(obstacles)} (lppo.rollout.hf_sampler)"
+            )
         self.eos_token_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
@@ -210,10 +224,16 @@ class HFGenerateEngine(RecordsInitArgs):
         return encode_prompt(self.tokenizer, text, self.prepend_bos, self.chat_template)
 
     def generation_config(self, greedy: bool = False) -> transformers.GenerationConfig:
-        """The ``GenerationConfig`` passed to ``generate``."""
+        """The ``GenerationConfig`` passed to ``generate``.
+
+        ``generate`` samples only when the engine cannot (:attr:`gumbel` off); otherwise it
+        runs greedy, and :class:`~lppo.rollout.hf_sampler.GumbelSampler` makes its argmax the
+        sample.
+        """
         kwargs: dict[str, object] = {}
         sampling = self.sampling
-        if not greedy:
+        multinomial = not greedy and not self.gumbel
+        if multinomial:
             kwargs = {
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
@@ -222,7 +242,7 @@ class HFGenerateEngine(RecordsInitArgs):
         if sampling.min_new_tokens > 0:
             kwargs["min_new_tokens"] = sampling.min_new_tokens
         return transformers.GenerationConfig(
-            do_sample=not greedy,
+            do_sample=multinomial,
             max_new_tokens=sampling.max_new_tokens,
             num_beams=1,
             # ignore_eos: no stop token, so every row runs to max_new_tokens. An empty list,
@@ -230,7 +250,7 @@ class HFGenerateEngine(RecordsInitArgs):
             eos_token_id=[] if sampling.ignore_eos else self.eos_token_id,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=True,
+            output_scores=greedy or multinomial,  # a GumbelSampler keeps its own
             output_logits=self.return_policy_logprobs,
             use_cache=True,
             **kwargs,
@@ -293,7 +313,8 @@ class HFGenerateEngine(RecordsInitArgs):
                 torch.manual_seed(seed)
                 for start in range(0, len(rows), step):
                     batch = [rows[r][1] for r in order[start : start + step]]
-                    samples += self._generate_batch(batch, config, device)
+                    sampler = None if greedy or not self.gumbel else GumbelSampler(self.sampling)
+                    samples += self._generate_batch(batch, config, device, sampler)
         finally:
             self.model.train(was_training)
         placed: list[Sample | None] = [None] * len(rows)
@@ -306,8 +327,12 @@ class HFGenerateEngine(RecordsInitArgs):
         batch: list[list[int]],
         config: transformers.GenerationConfig,
         device: torch.device,
+        sampler: GumbelSampler | None,
     ) -> list[Sample]:
-        """Generate for one left-padded batch of prompt ids (one row per sample)."""
+        """Generate for one left-padded batch of prompt ids (one row per sample).
+
+        ``sampler``: draws the tokens (``config`` is then greedy); ``None``: ``config`` says.
+        """
         width = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.int64)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.int64)
@@ -322,6 +347,8 @@ class HFGenerateEngine(RecordsInitArgs):
             length = width + config.max_new_tokens if static else None
             cache = prefilled_cache(self.model, input_ids, attention_mask, pieces, length, sources)
             kwargs[cache_keyword(self.model)] = cache
+        if sampler is not None:
+            kwargs["logits_processor"] = transformers.LogitsProcessorList([sampler])
         with filled_part_decode(self.model) if static else nullcontext():
             result = self.model.generate(
                 input_ids=input_ids,
@@ -333,11 +360,13 @@ class HFGenerateEngine(RecordsInitArgs):
                 **kwargs,
             )
         tokens = result.sequences[:, width:].cpu()
-        if len(result.scores) != tokens.shape[1]:
-            raise RuntimeError(f"{len(result.scores)} score steps for {tokens.shape[1]} tokens")
+        # generate may run a step past the last token and drop it (a deferred stop check)
+        scores = result.scores if sampler is None else sampler.scores[: tokens.shape[1]]
+        if len(scores) != tokens.shape[1]:
+            raise RuntimeError(f"{len(scores)} score steps for {tokens.shape[1]} tokens")
         policy = None
         if self.return_policy_logprobs:  # π at the temperature the actor scores with
             policy = picked_logprobs(result.logits, tokens, self.sampling.temperature)
-        logprobs = (picked_logprobs(result.scores, tokens), policy)
+        logprobs = (picked_logprobs(scores, tokens), policy)
         eos, ignore_eos = self.eos_token_id, self.sampling.ignore_eos
         return cut_samples(batch, tokens, logprobs, self.tokenizer, eos, ignore_eos)

@@ -79,9 +79,9 @@ def test_length_sorted_batches_come_back_in_prompt_order() -> None:
         batch = engine._generate_batch
         seen: list[int] = []
 
-        def record(rows, config, device, batch=batch, seen=seen):
+        def record(rows, config, device, sampler, batch=batch, seen=seen):
             seen.append(max(len(r) for r in rows))
-            return batch(rows, config, device)
+            return batch(rows, config, device, sampler)
 
         engine._generate_batch = record  # type: ignore[method-assign]
         outputs.append(engine.generate(prompts, samples_per_prompt=2, seed=0))
