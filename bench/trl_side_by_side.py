@@ -30,8 +30,8 @@ accelerate's gloo DDP, the same rows per iteration); ``lppo`` (``--lppo`` settin
 ones); ``lppo-dp`` (the same settings on ``--threads`` data-parallel processes of one thread
 each, ``PPODDPStrategy`` over gloo: the same cores, the same rows per iteration);
 ``lppo-dp-unbalanced`` (``lppo-dp`` with ``data.balance_ranks`` off: each rank trains the rows
-it generated); ``lppo-default`` (lppo's defaults: every ``auto`` setting, score chunks = training
-chunks);
+it generated); ``lppo-default`` (lppo's defaults: every ``auto`` setting, score chunks of 4 ×
+the training chunks' tokens, ``data.max_tokens_per_score_chunk: auto``);
 ``floor`` (a plain PyTorch loop over lppo's training chunks, ``_trl_floor``).
 """
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -31,7 +31,8 @@ class ReplayDataModule(LightningDataModule):
             knob that bounds activation memory.
         max_tokens_per_score_chunk: padded-token budget of one chunk of the score phase
             (forward passes without gradients keep no activations, so larger chunks are
-            cheap in memory and faster); ``null``: ``max_tokens_per_chunk``.
+            cheap in memory and faster); ``null``: ``max_tokens_per_chunk``; ``auto`` (the
+            default): :data:`~lppo.data_settings.SCORE_CHUNK_FACTOR` (4) times that.
         store: the replay backend (default: the in-process :class:`MemoryReplayStore`).
         drop_budget: samples that may be lost per iteration (invalid rows, rollout failures)
             before the iteration fails.
@@ -55,7 +56,7 @@ class ReplayDataModule(LightningDataModule):
         fixed_rows_per_rank: bool = False,
         shuffle: bool = True,
         seed: int = 0,
-        max_tokens_per_score_chunk: int | None = None,
+        max_tokens_per_score_chunk: int | Literal["auto"] | None = "auto",
         balance_ranks: bool = True,
     ) -> None:
         super().__init__()

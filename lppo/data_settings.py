@@ -9,9 +9,15 @@ longest possible row, rows per iteration, minibatches) against those settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from lppo.validation import SettingError, check_number
+
+#: ``max_tokens_per_score_chunk: auto`` is this many training budgets. A training chunk keeps
+#: every layer's activations (and the logits' gradient) for its backward pass, a no-grad pass
+#: only the layer it is in and the logits, so four times the tokens stays within about the
+#: training chunk's memory for a language model, and runs in fewer, larger matrix products.
+SCORE_CHUNK_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -23,7 +29,8 @@ class DataSettings:
             knob that bounds activation memory.
         max_tokens_per_score_chunk: padded-token budget of one chunk of the no-grad (score)
             passes, which keep no activations, so larger chunks are cheap in memory and faster;
-            ``None``: ``max_tokens_per_chunk``.
+            ``None``: ``max_tokens_per_chunk``; ``"auto"`` (the default):
+            :data:`SCORE_CHUNK_FACTOR` × ``max_tokens_per_chunk``.
         drop_budget: samples that may be lost per iteration (invalid rows, rollout failures)
             before the iteration fails.
         fixed_rows_per_rank: every data-parallel rank trains the same number of rows per step
@@ -41,7 +48,7 @@ class DataSettings:
     resume_safe: ClassVar[tuple[str, ...]] = ("max_tokens_per_score_chunk",)
 
     max_tokens_per_chunk: int = 4096
-    max_tokens_per_score_chunk: int | None = None
+    max_tokens_per_score_chunk: int | Literal["auto"] | None = "auto"
     drop_budget: int = 0
     fixed_rows_per_rank: bool = False
     shuffle: bool = True
@@ -50,14 +57,16 @@ class DataSettings:
 
     def __post_init__(self) -> None:
         """Raise ``SettingError`` naming the key, the value and the fix."""
-        check_number(
-            "data.max_tokens_per_score_chunk",
-            self.max_tokens_per_score_chunk,
-            integer=True,
-            low=1,
-            optional=True,
-            fix="null: the training budget, data.max_tokens_per_chunk.",
-        )
+        if self.max_tokens_per_score_chunk != "auto":
+            check_number(
+                "data.max_tokens_per_score_chunk",
+                self.max_tokens_per_score_chunk,
+                integer=True,
+                low=1,
+                optional=True,
+                fix="null: the training budget, data.max_tokens_per_chunk; auto: "
+                f"{SCORE_CHUNK_FACTOR} x that.",
+            )
         check_number(
             "data.max_tokens_per_chunk",
             self.max_tokens_per_chunk,
@@ -79,7 +88,10 @@ class DataSettings:
     @property
     def score_budget(self) -> int:
         """Padded-token budget of a no-grad chunk (``max_tokens_per_score_chunk`` resolved)."""
-        return self.max_tokens_per_score_chunk or self.max_tokens_per_chunk
+        score = self.max_tokens_per_score_chunk
+        if score == "auto":
+            return SCORE_CHUNK_FACTOR * self.max_tokens_per_chunk
+        return score or self.max_tokens_per_chunk
 
     def check_run(
         self,
@@ -130,7 +142,7 @@ class DataSettings:
     def _check_row_length(self, max_row_length: int) -> None:
         """Both chunk budgets must hold the longest row the configuration can produce."""
         score = self.max_tokens_per_score_chunk
-        if score is not None and max_row_length > score:
+        if isinstance(score, int) and max_row_length > score:
             raise SettingError(
                 f"data.max_tokens_per_score_chunk={score} is below the longest possible "
                 f"row ({max_row_length} tokens); raise it to at least that, or set it to "

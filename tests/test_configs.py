@@ -43,9 +43,9 @@ def test_objective_config_learns(tmp_path, config):
     """configs/gspo.yaml, configs/dapo.yaml and configs/lora.yaml learn the default task (seed
     0, measured 2026-12-03: GSPO 0.21 -> 0.84, DAPO 0.21 -> 0.73 of the task's reward over every
     first-round sample, ``rollout/sampled_reward_mean``, the overlong punishment not in it; LoRA
-    0.20 -> 0.66). DAPO's gain over seeds 0-4 spans +0.24 to +0.80 (2026-12-06, with
-    ``generate``'s multinomial and with the Gumbel sampler, docs/benchmarks/configs.md), so its
-    bar is +0.2; a run that does not learn gains about 0."""
+    0.20 -> 0.66). Over seeds 0-4 (2026-12-06, docs/benchmarks/configs.md) DAPO gains +0.24 to
+    +0.80 (with ``generate``'s multinomial and with the Gumbel sampler) and LoRA +0.15 to +0.40,
+    so their bars are +0.2 and +0.12; a run that does not learn gains about 0."""
     run(["fit", "--config", str(ROOT / "configs" / config), "--trainer.default_root_dir",
          str(tmp_path)])  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -55,7 +55,7 @@ def test_objective_config_learns(tmp_path, config):
     key = "rollout/sampled_reward_mean" if config == "dapo.yaml" else "rollout/reward_mean"
     reward = [float(r[key]) for r in rows if r.get(key)]
     assert len(reward) == 80
-    bar = 0.2 if config == "dapo.yaml" else 0.3
+    bar = {"dapo.yaml": 0.2, "lora.yaml": 0.12}.get(config, 0.3)
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + bar, reward
     if config == "dapo.yaml":
         assert (

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import lppo.data
 from lppo.data import ReplayDataModule
-from lppo.data_settings import DataSettings
+from lppo.data_settings import SCORE_CHUNK_FACTOR, DataSettings
 from lppo.planner import ChunkPlanner, DropBudgetExceeded, EpochPlan, NoValidRows, RowLayout
 from lppo.types import RowMeta
 
@@ -337,6 +337,18 @@ def test_fewer_valid_rows_than_minibatches() -> None:
 
 
 # ------------------------------------------------------------ the data group's settings
+
+
+def test_the_no_grad_budget_is_four_training_budgets_by_default() -> None:
+    assert DataSettings(max_tokens_per_chunk=640).score_budget == SCORE_CHUNK_FACTOR * 640 == 2560
+    assert (
+        DataSettings(max_tokens_per_chunk=640, max_tokens_per_score_chunk=None).score_budget == 640
+    )
+    assert DataSettings(max_tokens_per_score_chunk=100).score_budget == 100
+    with pytest.raises(ValueError, match=r"data\.max_tokens_per_score_chunk='big'.*auto: 4 x"):
+        DataSettings(max_tokens_per_score_chunk="big")  # type: ignore[arg-type]
+    planner = ChunkPlanner(DataSettings(max_tokens_per_chunk=64))
+    assert planner.max_tokens_per_score_chunk == 256
 
 
 @pytest.mark.parametrize(

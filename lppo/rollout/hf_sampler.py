@@ -36,6 +36,22 @@ from transformers import (
 from lppo.rollout.base import RolloutSettings
 
 
+def warpers(sampling: RolloutSettings) -> LogitsProcessorList:
+    """The sampling warpers of ``model.rollout``, in ``generate``'s order and with its rules.
+
+    Temperature (unless 1), top-k (unless 0), top-p (unless 1): ``transformers``' own warper
+    classes, each keeping at least one token.
+    """
+    out = LogitsProcessorList()
+    if sampling.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+    if sampling.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+    return out
+
+
 class GumbelSampler(LogitsProcessor):
     """Warps the scores like ``generate``'s sampling, keeps them, and adds Gumbel noise.
 
@@ -48,14 +64,7 @@ class GumbelSampler(LogitsProcessor):
     """
 
     def __init__(self, sampling: RolloutSettings) -> None:
-        warpers: list[LogitsProcessor] = []
-        if sampling.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(sampling.temperature))
-        if sampling.top_k:
-            warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
-        if sampling.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
-        self.warpers = LogitsProcessorList(warpers)
+        self.warpers = warpers(sampling)
         self.scores: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

@@ -16,30 +16,12 @@ from collections.abc import Sequence
 
 import torch
 import transformers
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import LogitsProcessorList
 
 from lppo.rollout.base import RolloutSettings
 from lppo.rollout.hf_prefill import cache_keyword
+from lppo.rollout.hf_sampler import warpers
 from lppo.rollout.turns import TurnRequest, TurnSample
-
-
-def warpers(sampling: RolloutSettings, greedy: bool) -> LogitsProcessorList:
-    """The score processors of sampling (none for greedy decoding), in ``generate``'s order."""
-    out = LogitsProcessorList()
-    if greedy:
-        return out
-    if sampling.temperature != 1.0:
-        out.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.top_k > 0:
-        out.append(TopKLogitsWarper(sampling.top_k))
-    if sampling.top_p < 1.0:
-        out.append(TopPLogitsWarper(sampling.top_p))
-    return out
 
 
 @torch.no_grad()
@@ -73,7 +55,7 @@ def sample_turns(
         mask[b, width - len(request.context) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    process = warpers(sampling, greedy)
+    process = LogitsProcessorList() if greedy else warpers(sampling)
     generators = [torch.Generator().manual_seed(r.seed) for r in requests]
     tokens: list[list[int]] = [[] for _ in requests]
     logprobs: list[list[float]] = [[] for _ in requests]
