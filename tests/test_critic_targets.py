@@ -96,7 +96,9 @@ def test_first_epoch_values_equal_the_score_pass_and_train_the_same(tmp_path: Pa
         for key in ("kl_mean", "reward_mean"):
             assert seen.stats[it][key] == pytest.approx(base_seen.stats[it][key], abs=1e-6)
     torch.testing.assert_close(params(fused.critic), params(base.critic), rtol=0, atol=1e-5)
-    torch.testing.assert_close(params(fused.actor), params(base.actor), rtol=0, atol=1e-5)
+    # The advantages agree to round-off; Adam's per-element normalization can scale that up
+    # to a few 1e-5 where a gradient is near zero (as in test_score_phase: 1e-4).
+    torch.testing.assert_close(params(fused.actor), params(base.actor), rtol=0, atol=1e-4)
 
 
 def test_an_unknown_old_values_is_rejected() -> None:

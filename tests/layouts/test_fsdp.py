@@ -187,7 +187,8 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_state(option_fi
     losses, want = _losses(option_fits / "bf16"), _losses(option_fits / "f32")
     assert len(losses) == len(want) > 0 and all(math.isfinite(x) for x in losses)
     assert losses != want  # bf16 rounding reached the losses
-    assert losses == pytest.approx(want, rel=1e-2, abs=1e-3)
+    # bf16 keeps ~3 significant digits; a loss is a sum of terms ~10x larger than itself
+    assert losses == pytest.approx(want, rel=2e-2, abs=2e-3)
     got, ref = _state(option_fits / "bf16"), _state(option_fits / "f32")
     assert got.keys() == ref.keys()
     drift = max((got[k] - ref[k]).abs().max().item() for k in ref)
