@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.errors import SetupError
 from lppo.init_args import Record, check_resume_safe, class_path, record
@@ -278,3 +279,42 @@ def upgrade_layout(checkpoint: dict[str, Any]) -> None:
     }
     for name, state in checkpoint.pop("lppo_builtin_callbacks", {}).items():
         callbacks.setdefault(name, state)
+
+
+def check_resume(saved: dict[str, Any], current: dict[str, Any], planned: list[str]) -> None:
+    """Refuse a resume whose settings (or run plan, ``planned``) differ where it matters.
+
+    Changes to resume-safe settings are applied and logged (:func:`settings_changes`).
+
+    Raises:
+        CheckpointError: listing every refused difference and the fix.
+    """
+    applicable, refused = settings_changes(saved, current)
+    refused += planned
+    if refused:
+        raise CheckpointError(
+            "resuming with settings that differ from the checkpoint's:\n  "
+            + "\n  ".join(refused)
+            + "\nThese cannot be applied to a restored run: restore them, or start a new "
+            "run from the trained weights (lppo.export / HFExport)."
+        )
+    if applicable:
+        rank_zero_info("resuming with changed settings (applied): " + "; ".join(applicable))
+
+
+def scale_resumed_lrs(resumed: dict[Any, float]) -> None:
+    """Give restored optimizers the learning rate a resume changed (schedules scaled alike).
+
+    Args:
+        resumed: each module (actor / critic) whose ``lr`` differs from the checkpoint's,
+            with the checkpoint's ``lr``.
+    """
+    for module, old in resumed.items():
+        ratio = module.lr / old
+        assert module.optimizer is not None
+        for group in module.optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        if module.scheduler is not None:
+            module.scheduler.base_lrs = [lr * ratio for lr in module.scheduler.base_lrs]

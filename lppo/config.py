@@ -6,9 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from lightning.pytorch.utilities import rank_zero_info
-
 from lppo.algorithms.kl import KLKind
+from lppo.decisions import note
 from lppo.replay.rollout_rows import RowRules
 from lppo.validation import SettingError, check_number
 
@@ -163,12 +162,7 @@ class PPOConfig:
         check_number("model.ppo.overlong_penalty", self.overlong_penalty, low=0)
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise SettingError(f"model.ppo.kl_kind={self.kl_kind!r}; use 'k1', 'k2' or 'k3'.")
-        if self.old_logprobs not in ("auto", "recompute", "actor", "engine", "rollout"):
-            raise SettingError(
-                f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'auto', 'recompute', "
-                "'actor', 'engine' or 'rollout'."
-            )
-        self._check_old_values()
+        self._check_producers()
         check_number(
             "model.ppo.critic_warmup_iterations",
             self.critic_warmup_iterations,
@@ -176,18 +170,27 @@ class PPOConfig:
             low=0,
         )
 
-    def _check_old_values(self) -> None:
-        # Whether ``critic`` is exact here depends on the modules too: resolve_old_values.
+    def _check_producers(self) -> None:
+        # Whether a producer is exact here depends on the modules too: lppo.run_plan decides.
+        if self.old_logprobs not in ("auto", "recompute", "actor", "engine", "rollout"):
+            raise SettingError(
+                f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'auto', 'recompute', "
+                "'actor', 'engine' or 'rollout'."
+            )
         if self.old_values not in ("auto", "score", "critic"):
             raise SettingError(
                 f"model.ppo.old_values={self.old_values!r}; use 'auto', 'score' or 'critic'."
             )
 
-    def resolved(self, key: str, exact: str, fallback: str, obstacles: list[str]) -> PPOConfig:
+    def resolved(
+        self, key: str, exact: str, fallback: str, obstacles: list[str], why: str = ""
+    ) -> PPOConfig:
         """This config with ``model.ppo.<key>: auto`` made ``exact`` or ``fallback``.
 
         ``exact`` (a shortcut that gives the same numbers to round-off) where ``obstacles``
-        (why it would not, here) is empty, else ``fallback`` with a log line naming them.
+        (why it would not, here) is empty, else ``fallback`` with a log line naming them. The
+        choice is reported to the run plan (:func:`lppo.decisions.note`; ``why``: the reason
+        for ``exact``, logged when the plan is not being built).
 
         Raises:
             SettingError: ``key`` set to ``exact`` explicitly despite ``obstacles``.
@@ -199,10 +202,11 @@ class PPOConfig:
                 f"Change those, or set {key}: {fallback} (or auto)."
             )
         if value != "auto":
+            note(f"model.ppo.{key}", value, setting=value)
             return self
-        if obstacles:
-            rank_zero_info(f"model.ppo.{key}=auto: {fallback} ({'; '.join(obstacles)})")
-        return dataclasses.replace(self, **{key: fallback if obstacles else exact})
+        chosen = fallback if obstacles else exact
+        note(f"model.ppo.{key}", chosen, "; ".join(obstacles) if obstacles else why)
+        return dataclasses.replace(self, **{key: chosen})
 
     def row_rules(self, max_new_tokens: int) -> RowRules:
         """What happens to rows when they are put: invalid rows, the overlong punishment.

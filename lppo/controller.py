@@ -18,10 +18,9 @@ rollout source put them) and is, in order:
 Optimizer steps, row retention and abort cleanup are done by the lifecycle callbacks
 (``lppo.callbacks.lifecycle()``); the controller imports none and checks that each did its job.
 
-Under data parallelism each rank scores, estimates and trains only the rows it holds after the
-collect phase moved rows between ranks to balance their tokens (:mod:`lppo.balance`); one
-all-gather of the rows' metadata gives every rank the same plan (global
-normalizers, equal chunk counts), and statistics that span rows are reduced over the ranks.
+Under data parallelism each rank trains the rows it holds after the collect phase balanced
+them; one all-gather of the rows' metadata gives every rank the same plan (global normalizers,
+equal chunk counts), and statistics that span rows are reduced over the ranks.
 """
 
 from __future__ import annotations
@@ -30,23 +29,23 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
-
 from lppo.balance import balance_metrics
 from lppo.config import PPOConfig
-from lppo.critic_targets import AdvantagePhase, FirstEpochTargets, resolve_old_values
+from lppo.critic_targets import AdvantagePhase, FirstEpochTargets
 from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.hooks import IterationContext, PPOCallback, abort_all
 from lppo.modules import ActorModule, CriticModule, PPOModule
+from lppo.modules.lifecycle import disable_dropout
 from lppo.modules.reward_model import RewardModel
 from lppo.modules.snapshot import Transaction
-from lppo.old_logprobs import FirstEpochLogprobs, resolve_old_logprobs
+from lppo.old_logprobs import FirstEpochLogprobs
 from lppo.parallel import ParallelContext
 from lppo.planner import RowLayout
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.run_log import RunLog
+from lppo.run_plan import RunPlan, resolve_columns
 from lppo.score_phase import ScorePhase, rollout_stats
 from lppo.types import (
     ADVANTAGES,
@@ -58,16 +57,10 @@ from lppo.types import (
     GenerationReport,
     IterationResult,
     RolloutStats,
+    StepPlan,
 )
 
 __all__ = ["PPOController", "disable_dropout"]
-
-
-def disable_dropout(module: nn.Module) -> None:
-    """Set the probability of every ``nn.Dropout`` (and subclass) inside ``module`` to 0."""
-    for m in module.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.p = 0.0
 
 
 class PPOController:
@@ -92,6 +85,9 @@ class PPOController:
             task's reward before the advantages.
         run_log: the run's metrics axis and history, handed to the hooks (a new one when
             ``None``).
+        plan: the run plan (:class:`~lppo.run_plan.RunPlan`), whose resolved ``ppo`` is the
+            controller's config; ``None`` (a controller built on its own): the producers of
+            π_old and old values are decided for ``config`` here, with no engine known.
     """
 
     def __init__(
@@ -107,14 +103,17 @@ class PPOController:
         trainer: Any = None,
         reward_model: RewardModel | None = None,
         run_log: RunLog | None = None,
+        plan: RunPlan | None = None,
     ) -> None:
         self.actor = actor
         self.critic = critic
         self.data = data
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
-        given = config if config is not None else PPOConfig()
-        given = resolve_old_values(given, self.estimator, critic)
-        self.config = resolve_old_logprobs(given, self.estimator, actor)
+        if plan is not None:
+            self.config = plan.ppo
+        else:
+            given = config if config is not None else PPOConfig()
+            self.config = resolve_columns(given, self.estimator, actor, critic)
         if (self.config.kl_coef > 0 or actor.needs_reference) and reference is None:
             raise ValueError(
                 f"model.ppo.kl_coef={self.config.kl_coef} with model.actor.init_args."
@@ -183,7 +182,7 @@ class PPOController:
             return self._run(ctx, rollout, rollout_seconds, generation or GenerationReport())
         except BaseException as error:
             where = ctx.where()
-            self._abort(ctx, error)
+            abort_all(self.callbacks, ctx, error)
             if backup is not None:
                 backup.rollback()
             if not isinstance(error, Exception):
@@ -245,15 +244,7 @@ class PPOController:
         clock = _lap(seconds, "advantages", clock)
 
         # 4. critic epochs, 5. actor epochs (none during critic warmup)
-        phases: list[tuple[str, PPOModule, int, int]] = []
-        if self.critic is not None:
-            phases.append(("critic", self.critic, cfg.critic_epochs, cfg.critic_minibatches))
-        if ctx.iteration >= cfg.critic_warmup_iterations:
-            phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
-        valid_rows = sum(1 for n in rows.meta.valid_tokens if n > 0)
-        for phase, module, epochs, minibatches in phases:
-            if rollout.sampling is not None:  # dynamic sampling: train on what there is
-                minibatches = min(minibatches, max(valid_rows, 1))
+        for phase, module, epochs, minibatches in self._phases(ctx, rollout, rows):
             first = len(ctx.step_stats)
             first_epoch = targets if phase == "critic" else old_policy
             padding[phase] = self._train_phase(
@@ -266,6 +257,21 @@ class PPOController:
         return self._release(
             ctx, IterationResult(ctx.iteration, stats, [], seconds, tokens, padding), generation
         )
+
+    def _phases(
+        self, ctx: IterationContext, rollout: StoredRollout, rows: RowLayout
+    ) -> list[tuple[str, PPOModule, int, int]]:
+        """``(phase, module, epochs, minibatches)`` of the iteration's training phases, in order."""
+        cfg = self.config
+        phases: list[tuple[str, PPOModule, int, int]] = []
+        if self.critic is not None:
+            phases.append(("critic", self.critic, cfg.critic_epochs, cfg.critic_minibatches))
+        if ctx.iteration >= cfg.critic_warmup_iterations:
+            phases.append(("actor", self.actor, cfg.actor_epochs, cfg.actor_minibatches))
+        if rollout.sampling is not None:  # dynamic sampling: train on what there is
+            valid = max(sum(1 for n in rows.meta.valid_tokens if n > 0), 1)
+            phases = [(p, m, e, min(k, valid)) for p, m, e, k in phases]
+        return phases
 
     def _collect(
         self, ctx: IterationContext, rollout: StoredRollout, generation: GenerationReport
@@ -345,25 +351,9 @@ class PPOController:
             padding += plan.padding_fraction / epochs
             self._emit("on_phase_epoch_start", ctx)
             fused = targets if epoch == 0 else None
+            columns = fused.columns(names) if fused is not None else names
             for step in plan.steps:
-                ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step
-                module.begin(step)
-                self._emit("on_train_step_start", ctx)
-                columns = fused.columns(names) if fused is not None else names
-                for c, chunk in enumerate(self.data.stream(step, columns)):
-                    ctx.chunk = c
-                    if fused is not None:
-                        chunk = fused.attach(chunk)
-                    self._emit("on_chunk_end", ctx, module.train_chunk(chunk))
-                ctx.chunk = -1
-                self._emit("on_train_step_end", ctx)
-                if module.step_open:
-                    raise RuntimeError(
-                        f"{phase} step still open after on_train_step_end: no callback finished "
-                        "it; keep lppo.callbacks.OptimizerStep in the callbacks "
-                        "(lppo.callbacks.lifecycle())."
-                    )
-                ctx.module = ctx.plan = None
+                self._train_step(ctx, module, step, columns, fused)
             self._emit("on_phase_epoch_end", ctx)
             if isinstance(fused, FirstEpochTargets):  # 3. for old_values=critic: whiten
                 ctx.phase = "advantages"
@@ -371,21 +361,32 @@ class PPOController:
                 stats.update(fused.finish())
         return padding
 
-    def _abort(self, ctx: IterationContext, error: BaseException) -> None:
-        """Run every ``on_ppo_abort`` hook; a failing one never hides the original error."""
-        for cb in self.callbacks:
-            try:
-                cb.on_ppo_abort(ctx, error)
-            except Exception as cleanup_error:
-                error.add_note(
-                    f"lppo: {type(cb).__name__}.on_ppo_abort failed during cleanup: "
-                    f"{type(cleanup_error).__name__}: {cleanup_error}"
-                )
-        if ctx.row_ids and not ctx.rows_released:
-            error.add_note(
-                f"lppo: rows {ctx.row_ids[0]}..{ctx.row_ids[-1]} of the failed iteration were "
-                "not released (no RowRetention callback released them)."
+    def _train_step(
+        self,
+        ctx: IterationContext,
+        module: PPOModule,
+        step: StepPlan,
+        columns: list[str],
+        fused: FirstEpochTargets | FirstEpochLogprobs | None,
+    ) -> None:
+        """One optimizer step: ``begin``, every chunk of ``step``, then the callbacks finish it."""
+        ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step
+        module.begin(step)
+        self._emit("on_train_step_start", ctx)
+        for c, chunk in enumerate(self.data.stream(step, columns)):
+            ctx.chunk = c
+            if fused is not None:
+                chunk = fused.attach(chunk)
+            self._emit("on_chunk_end", ctx, module.train_chunk(chunk))
+        ctx.chunk = -1
+        self._emit("on_train_step_end", ctx)
+        if module.step_open:
+            raise RuntimeError(
+                f"{ctx.phase} step still open after on_train_step_end: no callback finished "
+                "it; keep lppo.callbacks.OptimizerStep in the callbacks "
+                "(lppo.callbacks.lifecycle())."
             )
+        ctx.module = ctx.plan = None
 
     def _emit(self, hook: str, ctx: IterationContext, *args: Any) -> None:
         for cb in self.callbacks:
@@ -394,6 +395,5 @@ class PPOController:
 
 def _lap(seconds: dict[str, float], phase: str, start: float) -> float:
     """Record the time since ``start`` as ``phase``'s; return the new start."""
-    now = time.perf_counter()
-    seconds[phase] = now - start
+    seconds[phase] = (now := time.perf_counter()) - start
     return now

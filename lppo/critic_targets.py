@@ -22,6 +22,7 @@ from typing import cast
 import torch
 
 from lppo.config import PPOConfig
+from lppo.decisions import note
 from lppo.estimators.base import (
     AdvantageEstimator,
     EstimatorInputs,
@@ -160,7 +161,8 @@ def resolve_old_values(
     """
     check_critic(critic, estimator)
     if critic is None and config.old_values == "auto":
-        return dataclasses.replace(config, old_values="score")  # nothing to say: no critic
+        note("model.ppo.old_values", "score")  # nothing to say: no critic
+        return dataclasses.replace(config, old_values="score")
     obstacles = critic_epoch_obstacles(config, estimator, critic)
     return config.resolved("old_values", "critic", "score", obstacles)
 

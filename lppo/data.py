@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -73,6 +73,24 @@ class ReplayDataModule(LightningDataModule):
         self.store: ReplayStore = store if store is not None else MemoryReplayStore()
         self.group: ProcessGroup = SINGLE
         self._planner: ChunkPlanner | None = None
+        #: The run's resources close the store (:meth:`hand_over_close`), not these hooks.
+        self._close_handed_over = False
+        self._store_closed = False
+        self._failed = False  # the fit raised: no rank may wait for the others at close
+
+    @staticmethod
+    def check(data: object) -> ReplayDataModule:
+        """``data``, the trainer's data module, if it is a :class:`ReplayDataModule`.
+
+        Raises:
+            TypeError: naming the class given and the fix.
+        """
+        if not isinstance(data, ReplayDataModule):
+            raise TypeError(
+                f"PPOSystem needs a ReplayDataModule (got {type(data).__name__}); "
+                "use `data: class_path: lppo.data.ReplayDataModule`."
+            )
+        return data
 
     @property
     def planner(self) -> ChunkPlanner:
@@ -122,6 +140,7 @@ class ReplayDataModule(LightningDataModule):
         )
         self._planner = ChunkPlanner(self.settings, world_size=world_size, rank=rank)
         self.group = group
+        self._store_closed = self._failed = False  # a new fit connects, so it closes, again
         self.store.connect(group)
 
     def layout(self, row_ids: Sequence[int], group: ProcessGroup = SINGLE) -> RowLayout:
@@ -194,13 +213,18 @@ class ReplayDataModule(LightningDataModule):
     def _barrier(self) -> None:
         self.group.all_reduce(torch.zeros(1))
 
-    def teardown(self, stage: str) -> None:
-        """End of fit: the store lets go of what it started (a local Ray, TransferQueue).
+    def close_store(self) -> None:
+        """The store lets go of what it started (a local Ray, TransferQueue); once per fit.
 
         A store shared across ranks is closed on rank 0 last (after a barrier), since rank 0
-        started what the others attached to.
+        started what the others attached to; after a failed fit (:meth:`on_exception`) each
+        rank closes its own at once, since the others may never reach that barrier. A second
+        call does nothing (no second barrier).
         """
-        if not self._shared_across_ranks():
+        if self._store_closed:
+            return
+        self._store_closed = True
+        if self._failed or not self._shared_across_ranks():
             self.store.close()
             return
         if self.group.rank > 0:
@@ -209,9 +233,34 @@ class ReplayDataModule(LightningDataModule):
         if self.group.rank == 0:
             self.store.close()
 
+    def hand_over_close(self) -> Callable[[], None]:
+        """Give the store's close to the run's resources (:class:`~lppo.lifetimes.RunResources`).
+
+        Lightning tears the data module down before the model, so from its own hooks the
+        store would close before the runner and engine that still put rows into it; once
+        handed over, :meth:`teardown` and :meth:`on_exception` leave the store open for the
+        run's resources to close in reverse start order.
+
+        Returns:
+            :meth:`close_store`, for ``RunResources.enter("store", ...)``.
+        """
+        self._close_handed_over = True
+        return self.close_store
+
+    def teardown(self, stage: str) -> None:
+        """End of fit: close the store (:meth:`close_store`), unless handed over."""
+        if not self._close_handed_over:
+            self.close_store()
+
     def on_exception(self, exception: BaseException) -> None:
-        """A failed fit (Lightning calls no ``teardown`` then): the store lets go as well."""
-        self.store.close()
+        """A failed fit (Lightning calls no ``teardown`` then): close this rank's store too.
+
+        Handed over (:meth:`hand_over_close`), it is only noted: the run's resources close
+        the store later, without a barrier.
+        """
+        self._failed = True
+        if not self._close_handed_over:
+            self.close_store()
 
     def state_dict(self) -> dict[str, Any]:
         """The store's content (empty at iteration boundaries).

@@ -9,6 +9,7 @@ controller itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -111,3 +112,22 @@ class PPOCallback(Callback):
 
     def on_ppo_abort(self, ctx: IterationContext, error: BaseException) -> None:
         """The iteration failed at ``ctx.where()``; clean up."""
+
+
+def abort_all(
+    callbacks: Sequence[PPOCallback], ctx: IterationContext, error: BaseException
+) -> None:
+    """Run every ``on_ppo_abort`` hook; a failing one never hides the original error."""
+    for cb in callbacks:
+        try:
+            cb.on_ppo_abort(ctx, error)
+        except Exception as cleanup_error:
+            error.add_note(
+                f"lppo: {type(cb).__name__}.on_ppo_abort failed during cleanup: "
+                f"{type(cleanup_error).__name__}: {cleanup_error}"
+            )
+    if ctx.row_ids and not ctx.rows_released:
+        error.add_note(
+            f"lppo: rows {ctx.row_ids[0]}..{ctx.row_ids[-1]} of the failed iteration were "
+            "not released (no RowRetention callback released them)."
+        )

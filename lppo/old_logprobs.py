@@ -19,16 +19,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.chunks import unpad
 from lppo.config import PPOConfig
+from lppo.decisions import note
 from lppo.estimators.base import AdvantageEstimator
 from lppo.mismatch import Mismatch
 from lppo.modules import ActorModule
 from lppo.parallel import ProcessGroup
 from lppo.replay.base import ReplayStore
+from lppo.rollout.capabilities import capabilities_of
 from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, Chunk, StepPlan
 
 __all__ = [
@@ -56,6 +57,17 @@ class RowSource:
     shards_weights: bool
 
 
+def precision_dtype(precision: str) -> torch.dtype | None:
+    """The dtype ``trainer.precision`` converts the models to (``None``: they keep theirs).
+
+    Lightning converts them after ``configure_model``; the run plan decides before that, on
+    the dtype the models will have.
+    """
+    return {"64": torch.float64, "64-true": torch.float64, "double": torch.float64}.get(
+        str(precision)
+    )
+
+
 #: What ``engine_obstacles`` says when nothing told the controller about the engine.
 NO_ENGINE = "no rollout engine known (a PPOController built without PPOSystem)"
 
@@ -68,8 +80,9 @@ def engine_obstacles(
 ) -> list[str]:
     """Why the engine's log-probs of π would not be the actor's π_old here (empty: they are).
 
-    They are when the engine says its forward pass is the actor's (``policy_logprob_obstacles``
-    of :class:`~lppo.rollout.HFGenerateEngine`: it samples from the module ``actor.policy()``
+    They are when the engine says its forward pass is the actor's (the
+    ``policy_logprob_obstacles`` capability of :class:`~lppo.rollout.HFGenerateEngine`, asked
+    at the run's final dtype: it samples from the module ``actor.policy()``
     returns), that module is the one the actor trains (not a LoRA merge or a converted copy),
     the actor keeps :class:`~lppo.modules.ActorModule`'s forward (``logits``,
     ``token_logprobs``) and ``policy``, the rows come from the current weights, dropout is off
@@ -84,13 +97,13 @@ def engine_obstacles(
         reasons.append("trainer.strategy shards the weights")
     overrides = [m for m in ("logits", "token_logprobs", "policy") if _overrides(actor, m)]
     reasons += [f"{type(actor).__name__} overrides {m}" for m in overrides]
-    ask = getattr(engine, "policy_logprob_obstacles", None)
+    ask = capabilities_of(engine).policy_logprob_obstacles
     if ask is None:
         reasons.append(f"{type(engine).__name__} does not give π's own log-probs")
     elif actor.lora is not None:
         reasons.append("the engine samples from a copy of the actor's model (LoRA merge)")
     elif not overrides:  # ActorModule.policy() is then the module the actor trains
-        reasons += ask(actor.model)
+        reasons += ask(actor.model, precision_dtype(rows.precision))
     if not config.disable_dropout:
         reasons.append("model.ppo.disable_dropout=false")
     return reasons
@@ -149,6 +162,7 @@ def resolve_old_logprobs(
     """
     mode = config.old_logprobs
     if mode in ("recompute", "rollout") or (mode == "engine" and engine is None):
+        note("model.ppo.old_logprobs", mode, setting=mode)
         return config
     engine = [NO_ENGINE] if engine is None else engine
     if mode == "engine":
@@ -157,9 +171,8 @@ def resolve_old_logprobs(
     if mode == "actor" or not first_epoch:
         return config.resolved("old_logprobs", "actor", "recompute", first_epoch)
     if not engine:
-        why = "; ".join(first_epoch)
-        rank_zero_info(f"model.ppo.old_logprobs=auto: engine (not the first epoch: {why})")
-        return config.resolved("old_logprobs", "engine", "recompute", engine)
+        why = f"not the first epoch: {'; '.join(first_epoch)}"
+        return config.resolved("old_logprobs", "engine", "recompute", engine, why)
     return config.resolved("old_logprobs", "engine", "recompute", first_epoch + engine)
 
 

@@ -3,14 +3,18 @@
 Every all-reduce, all-gather and broadcast of lppo (gradient sums, step diagnostics, whitening
 moments, the row-layout gather, the initial module-state broadcast, the gathering of
 tensor-parallel shards) goes through a :class:`ProcessGroup` of a :class:`ParallelContext`. The
-context names the data-parallel group and, beside it, the tensor-parallel group (megatron-core,
-:func:`megatron_context`), so algorithms that reduce over data-parallel ranks never learn about
-tensor parallelism. Collectives *inside* megatron-core's layers are megatron's own.
+context names the data-parallel group and, beside it, the tensor-parallel group (built by a
+layout that splits layers, :mod:`lppo.layouts`), so algorithms that reduce over data-parallel
+ranks never learn about tensor parallelism. Collectives *inside* a model library's layers are
+that library's own.
 ``tests/test_parallel.py`` scans the package and fails if collectives are called anywhere else.
 
 The context also carries the run's :class:`ParallelLayout`, the seam that decides how modules
 are held over the data-parallel ranks: full replicas (:class:`DataParallelLayout`, here, the
-default) or shards (:class:`lppo.layouts.FSDPLayout`); see :mod:`lppo.layouts`.
+default) or shards (:class:`lppo.layouts.FSDPLayout`); see :mod:`lppo.layouts`. The layout
+owns the tensors too: modules and engines read a parameter's full tensor, this rank's part of
+it and full state dicts through it (:meth:`ParallelLayout.full`, :meth:`ParallelLayout.local`,
+:meth:`ParallelLayout.full_state_dict`), never through a concrete layout's helpers.
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from lppo.validation import SettingError
 
 ReduceOp = Literal["sum", "min", "max"]
 
@@ -46,6 +48,21 @@ def default_world() -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(), dist.get_rank()
+
+
+def start_local_group(prefix: str) -> None:
+    """Initialize a default process group of this one process, unless one exists.
+
+    For libraries that need a default group even in one process (megatron-core): NCCL when
+    CUDA is available, gloo otherwise, over a file store named ``prefix…`` in the temp dir.
+    """
+    if dist.is_initialized():
+        return
+    import tempfile
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    store = tempfile.NamedTemporaryFile(prefix=prefix, delete=False)
+    dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,11 @@ class ProcessGroup:
                 f"process group rank={self.rank} size={self.size} is inconsistent; need "
                 "size >= 1 and 0 <= rank < size."
             )
+
+    @classmethod
+    def of(cls, handle: Any) -> ProcessGroup:
+        """This rank's place in the ``torch.distributed`` group ``handle`` (a library's own)."""
+        return cls(size=dist.get_world_size(handle), rank=dist.get_rank(handle), handle=handle)
 
     @property
     def device(self) -> torch.device:
@@ -220,6 +242,15 @@ class ParallelLayout(Protocol):
         """The process groups of this rank of ``world_size`` launched processes."""
         ...
 
+    def build_context(self, root: nn.Module, world_size: int, rank: int) -> ParallelContext:
+        """This rank's groups, built before the modules under ``root`` build their models.
+
+        Called once by the strategy, after the default process group is up and before
+        ``configure_model``; a layout whose model specs need the groups to build (megatron's
+        tensor-parallel shards) creates them here and hands them to those specs.
+        """
+        ...
+
     def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
         """Make every rank hold rank 0's states of ``root`` and wrap or shard its models.
 
@@ -257,6 +288,18 @@ class ParallelLayout(Protocol):
         """``module``'s state dict with every tensor whole (plain tensors, ordinary keys)."""
         ...
 
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a possibly sharded ``tensor`` (a collective if it is sharded)."""
+        ...
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``tensor`` as a plain tensor (``tensor`` itself when whole)."""
+        ...
+
+    def is_sharded(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is split over the data-parallel ranks (local, no collective)."""
+        ...
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with every state tensor whole (for a checkpoint)."""
         ...
@@ -291,6 +334,10 @@ class DataParallelLayout:
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """Data parallelism over every launched process."""
         return data_parallel_context(self, world_size, rank)
+
+    def build_context(self, root: nn.Module, world_size: int, rank: int) -> ParallelContext:
+        """:meth:`context`: the models need no groups to build."""
+        return self.context(world_size, rank)
 
     def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
         """Copy rank 0's parameters and buffers into every rank (one broadcast per dtype)."""
@@ -333,6 +380,18 @@ class DataParallelLayout:
         """The module's own state dict (already whole)."""
         return module.state_dict()
 
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself: every rank holds whole tensors."""
+        return tensor
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself: this rank's part is all of it."""
+        return tensor
+
+    def is_sharded(self, tensor: torch.Tensor) -> bool:
+        """No: nothing is split over the data-parallel ranks."""
+        return False
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's own state dict (already whole)."""
         return optimizer.state_dict()
@@ -374,7 +433,7 @@ class ParallelContext:
         data: the data-parallel group (ranks that train different chunks of every step and
             sum their gradients, diagnostics and statistics).
         tensor: the tensor-parallel group (ranks holding shards of the same layers and
-            seeing the same chunks); single unless a megatron-core model splits its layers.
+            seeing the same chunks); single unless the layout splits layers over ranks.
         layout: how the modules are held over the data-parallel ranks (full replicas by
             default; see :mod:`lppo.layouts`).
     """
@@ -391,63 +450,15 @@ class ParallelContext:
         return cls(data=ProcessGroup(size=dist.get_world_size(), rank=dist.get_rank()))
 
 
-def megatron_context(
-    tensor_parallel_size: int, key: str = "tensor_parallel_size"
-) -> ParallelContext:
-    """Initialize megatron-core's model-parallel state (once) and name its groups.
-
-    megatron-core needs a default process group even in one process: without one, a
-    single-rank group is created (NCCL when CUDA is available, gloo otherwise). Ranks are
-    split into data-parallel replicas of ``tensor_parallel_size`` consecutive ranks each.
-
-    Args:
-        tensor_parallel_size: ranks each layer is split over; must divide the world size.
-        key: where the setting lives in the config (error messages).
-
-    Returns:
-        The data-parallel and tensor-parallel groups of this rank.
-
-    Raises:
-        SettingError: the world size is not a multiple of ``tensor_parallel_size``, or
-            megatron-core was initialized before with another size.
-    """
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        import tempfile
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        store = tempfile.NamedTemporaryFile(prefix="lppo-megatron-", delete=False)
-        dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
-    world = dist.get_world_size()
-    if tensor_parallel_size < 1 or world % tensor_parallel_size:
-        raise SettingError(
-            f"{key}={tensor_parallel_size} must be >= 1 and divide the number of processes, "
-            f"trainer.devices x trainer.num_nodes = {world}; set {key} to a divisor of it "
-            "(data-parallel ranks = processes / tensor_parallel_size), or change trainer.devices."
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
-    have = parallel_state.get_tensor_model_parallel_world_size()
-    if have != tensor_parallel_size:
-        raise SettingError(
-            f"megatron-core is already initialized with tensor parallelism {have}; every "
-            f"megatron module of a run needs the same tensor_parallel_size (got "
-            f"{key}={tensor_parallel_size})."
-        )
-    return megatron_groups()
+#: Attribute a layout's :meth:`~ParallelLayout.prepare` sets on each model it holds otherwise
+#: than as a full replica: the layout itself, for code handed only the model (an engine's sync).
+LAYOUT_ATTRIBUTE = "_lppo_layout"
 
 
-def megatron_groups() -> ParallelContext:
-    """megatron-core's data- and tensor-parallel groups of this rank (state initialized)."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_group()
-    dp = parallel_state.get_data_parallel_group()
-    return ParallelContext(
-        data=ProcessGroup(size=dist.get_world_size(dp), rank=dist.get_rank(dp), handle=dp),
-        tensor=ProcessGroup(size=dist.get_world_size(tp), rank=dist.get_rank(tp), handle=tp),
-    )
+def layout_of(model: nn.Module) -> ParallelLayout:
+    """The layout holding ``model``'s tensors: the one that marked it, else full replicas."""
+    layout: ParallelLayout | None = getattr(model, LAYOUT_ATTRIBUTE, None)
+    return DataParallelLayout() if layout is None else layout
 
 
 def close_process_group() -> None:

@@ -94,6 +94,9 @@ class PPOStrategy(DDPStrategy):
         layout: ParallelLayout | None = None,
     ) -> None:
         self.layout: ParallelLayout = layout if layout is not None else DataParallelLayout()
+        #: This rank's groups, built by the layout once the process group is up and before
+        #: the models are built (:meth:`setup_environment`); ``None`` until then.
+        self.parallel: ParallelContext | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -119,6 +122,18 @@ class PPOStrategy(DDPStrategy):
         # while the interpreter is still whole, and collectives after fit still work.
         atexit.unregister(close_process_group)
         atexit.register(close_process_group)
+
+    def setup_environment(self) -> None:
+        """Start the processes' group, then have the layout build this rank's groups.
+
+        Lightning runs this before the module's ``configure_model``, so a layout whose model
+        specs need the groups to build (megatron's) hands them over before any model exists.
+        """
+        super().setup_environment()
+        if self.lightning_module is not None:
+            self.parallel = self.layout.build_context(
+                self.lightning_module, self.world_size, self.global_rank
+            )
 
     def configure_ddp(self) -> None:
         """Hand the module to the layout: rank 0's states everywhere, then wrap or shard.
@@ -188,10 +203,13 @@ def parallel_context(strategy: Any) -> ParallelContext:
     """The process groups of ``strategy``: the one place a run's data-parallel group is decided.
 
     Built by the strategy's layout over the launched processes (megatron's data- and
-    tensor-parallel groups under ``ppo_megatron``); single-process for Lightning's own
-    single-device strategies.
+    tensor-parallel groups under ``ppo_megatron``), once, in
+    :meth:`PPOStrategy.setup_environment`; single-process for Lightning's own single-device
+    strategies.
     """
     if isinstance(strategy, PPOStrategy):
+        if strategy.parallel is not None:
+            return strategy.parallel
         return strategy.layout.context(strategy.world_size, strategy.global_rank)
     return ParallelContext()
 

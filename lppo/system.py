@@ -3,45 +3,45 @@
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
 
 from lppo.checkpointing import (
     ROLLOUTS_KEY,
     RUN_LOG_KEY,
     SETTINGS_KEY,
-    CheckpointError,
+    check_resume,
     run_settings,
-    settings_changes,
+    scale_resumed_lrs,
     upgrade_layout,
 )
 from lppo.config import PPOConfig
 from lppo.controller import PPOController
 from lppo.data import ReplayDataModule
+from lppo.decisions import collecting
 from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator
 from lppo.failure_policy import FailurePolicy
 from lppo.hooks import PPOCallback
+from lppo.lifetimes import RunResources
 from lppo.loop import attached_trainer, instantiated_by_cli
-from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule, RewardModel
-from lppo.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.parallel import ParallelContext
 from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
-from lppo.rollout.multi_turn import MultiTurnEngine
-from lppo.rollout.pipeline import RolloutPipeline, default_runner, stale_correction
+from lppo.rollout.capabilities import capabilities_of
+from lppo.rollout.pipeline import RolloutPipeline
 from lppo.rollout.runners import RolloutRunner
 from lppo.run_log import RunLog
+from lppo.run_plan import PLAN_KEY, RunParts, RunPlan, plan_changes, with_decisions
 from lppo.strategy import check_strategy, parallel_context
-from lppo.tail import switch_off_under_sharding
 from lppo.tasks import Task
-from lppo.tokenizer import build_char_tokenizer, check_task_coverage
+from lppo.tokenizer import check_vocabularies, run_tokenizer
 from lppo.types import IterationResult
 from lppo.validation import SettingError, check_number
 
@@ -59,12 +59,9 @@ class PPOSystem(LightningModule):
     epochs → actor epochs → release; 3. the actor's new weights are published and the
     iteration ``max_staleness + 1`` ahead is admitted with them.
 
-    Data parallelism: with ``trainer.strategy=ppo_ddp`` (:class:`lppo.strategy.PPODDPStrategy`)
-    and several devices, each rank generates and rewards its own blocks of prompts
-    (``model.rollout.prompts_per_block``), puts them into the store (its own, or its own row ids
-    of a shared one), and scores, estimates and trains only those rows; gradients, diagnostics
-    and iteration statistics are reduced across ranks, so the result is the single-process
-    one. Lightning's own multi-process strategies (``ddp``, ``fsdp``, ...) are rejected.
+    Data parallelism (``trainer.strategy=ppo_ddp`` and several devices): each rank generates,
+    scores and trains its own blocks of prompts; gradients and statistics are reduced across
+    ranks, so the result is the single-process one (Lightning's own ``ddp`` is rejected).
 
     Args:
         actor: the policy (subclass :class:`ActorModule` to customize it).
@@ -89,11 +86,9 @@ class PPOSystem(LightningModule):
             ``(seed, i)``, so a resumed run samples exactly what the uninterrupted run would).
         num_threads: ``torch.set_num_threads`` at setup (``null`` leaves torch's default).
         runner: where rollouts are generated, any class implementing
-            :class:`~lppo.rollout.runners.RolloutRunner` (``null``: in the trainer when
-            ``model.rollout.max_staleness`` is 0, else ``lppo.rollout.ProcessRunner``, one
-            background process, or ``lppo.rollout.ThreadRunner`` for Ray rollout workers;
-            ``lppo.rollout.InlineRunner`` generates stale rollouts in the trainer, without
-            overlap: the same rows).
+            :class:`~lppo.rollout.runners.RolloutRunner` (``null``: the run plan picks the
+            trainer at ``max_staleness`` 0, else ``lppo.rollout.ProcessRunner``, or
+            ``ThreadRunner`` for Ray rollout workers).
         resize_embeddings: resize a checkpoint's token embeddings (actor, critic or reward
             model) to the run's tokenizer when their vocabularies differ (rows it adds start
             untrained); ``false`` (default): such a checkpoint is refused at setup.
@@ -119,26 +114,12 @@ class PPOSystem(LightningModule):
         resize_embeddings: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(resize_embeddings, bool):
-            raise SettingError(
-                f"model.resize_embeddings={resize_embeddings!r} must be true or false (false: "
-                "a checkpoint whose vocabulary is not the tokenizer's is refused)."
-            )
+        _check_own_settings(seed, num_threads, resize_embeddings)
         self.resize_embeddings = resize_embeddings
         # Under LightningCLI the hparams are the parsed config (class_path / init_args), from
         # which `PPOSystem.load_from_checkpoint` rebuilds everything; from Python, objects are
         # kept out of the hparams so checkpoints stay loadable with weights_only=True.
-        objects = [
-            "actor",
-            "critic",
-            "task",
-            "engine",
-            "estimator",
-            "reward_model",
-            "rollout",
-            "ppo",
-            "runner",
-        ]
+        objects = "actor critic task engine estimator reward_model rollout ppo runner".split()
         self.save_hyperparameters(ignore=[] if instantiated_by_cli() else objects, logger=False)
         self.automatic_optimization = False
         self.actor = actor
@@ -152,57 +133,88 @@ class PPOSystem(LightningModule):
         # the limit travels with the task, to every process that rewards (rollout, Ray workers)
         task.reward_timeout_s = ppo.reward_timeout_s
         self.tokenizer_path = tokenizer_path
-        check_number("model.seed", seed, integer=True, low=0)
-        check_number(
-            "model.num_threads",
-            num_threads,
-            integer=True,
-            low=1,
-            optional=True,
-            fix="null keeps torch's default.",
-        )
         self.seed = seed
         self.num_threads = num_threads
-        self.runner = runner or default_runner(rollout.max_staleness, self.engine)
+        #: ``model.runner`` as given; the run plan picks one for ``null`` (``self.plan.runner``).
+        self.runner: RolloutRunner | None = runner
+        self.plan: RunPlan | None = None
+        #: What the run started (Ray, store, engine, runner), closed by :meth:`teardown`.
+        self.resources = RunResources()
         self.reference: ActorModule | None = None
         self.tokenizer: Any = None
         self.controller: PPOController | None = None
         self.rollout_source: RolloutSource | None = None
         self.rollouts: RolloutPipeline | None = None
         self._rollouts_state: dict[str, Any] | None = None
+        self._standalone_data: ReplayDataModule | None = None
         #: The run's metrics axis and history (handed to every hook; saved in checkpoints).
         self.run_log = RunLog()
         self.failures = FailurePolicy(ppo.max_failed_iterations, self.run_log)
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
-        """Build tokenizer, models, reference, rollout source and controller (idempotent)."""
+        """Build → plan → wire: models, then every ``auto`` decided, then the iteration's parts.
+
+        Idempotent. The run plan (:class:`~lppo.run_plan.RunPlan`) decides once the models
+        exist, at the dtype the trainer's precision gives them; everything wired after it
+        receives what it decided, and its decisions are logged as one block.
+        """
         if self.controller is not None:
             return
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self._configure_modules()
         trainer = attached_trainer(self)
-        parallel = ParallelContext()
-        callbacks: list[PPOCallback] = []
-        if trainer is not None:
-            check_strategy(trainer.strategy, trainer.world_size)
-            parallel = parallel_context(trainer.strategy)
-            callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
-        r = self.rollout
-        if parallel.layout.shards_weights():
-            name = type(parallel.layout).__name__
-            switch_off_under_sharding((self.actor, self.critic, self.reference), name)
-        if parallel.layout.shards_weights() and (r.max_staleness or not self.runner.live_weights):
-            raise SettingError(
-                f"trainer.strategy shards the weights ({type(parallel.layout).__name__}) but "
-                f"model.rollout.max_staleness={r.max_staleness} with runner "
-                f"{type(self.runner).__name__} generates outside the training step; use "
-                "max_staleness: 0 and the default runner, or trainer.strategy=ppo_ddp."
-            )
+        with collecting() as decisions:
+            # 1. build: tokenizer, models, reference; the process groups of the layout
+            self._configure_modules()
+            parallel, callbacks = ParallelContext(), []
+            if trainer is not None:
+                check_strategy(trainer.strategy, trainer.world_size)
+                parallel = parallel_context(trainer.strategy)
+                callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
+            data = self._datamodule(trainer)
+            # 2. plan: every auto and every rule across setting groups
+            plan = RunPlan.resolve(self._parts(trainer, parallel, data))
+            # 3. wire: Ray, the store, the controller, the engine, the rollout pipeline
+            self._wire(plan, trainer, parallel, data, callbacks)
+        self.plan = with_decisions(plan, decisions)
+        self.plan.log()
+
+    def _parts(self, trainer: Any, parallel: ParallelContext, data: ReplayDataModule) -> RunParts:
+        """What the run plan decides for."""
+        strategy = type(trainer.strategy).__name__ if trainer is not None else "none"
+        return RunParts(
+            actor=self.actor,
+            critic=self.critic,
+            reference=self.reference,
+            reward_model=self.reward_model,
+            engine=self.engine,
+            estimator=self.estimator,
+            ppo=self.ppo,
+            rollout=self.rollout,
+            data=data.settings,
+            runner=self.runner,
+            parallel=parallel,
+            precision=str(getattr(trainer, "precision", "32-true")),
+            strategy=strategy,
+        )
+
+    def _wire(
+        self,
+        plan: RunPlan,
+        trainer: Any,
+        parallel: ParallelContext,
+        data: ReplayDataModule,
+        callbacks: list[PPOCallback],
+    ) -> None:
+        """Start and connect what an iteration uses, as ``plan`` decided."""
+        r, started = self.rollout, self.resources
+        self.runner = plan.runner
         if isinstance(ray := getattr(trainer, "ray", None), RaySettings):
             configure_ray(ray)  # trainer.ray, before the store or the engine needs Ray
-        data = self._datamodule(trainer)
+        # Ray is held by its users (store, engine) and stops with the last of them, so it
+        # outlives both; a rank > 0 attaches to rank 0's Ray only when its store connects.
+        started.enter("store", data.hand_over_close())  # entered first: a failed connect too
         data.configure(
             world_size=parallel.data.size,
             rank=parallel.data.rank,
@@ -211,17 +223,11 @@ class PPOSystem(LightningModule):
             minibatches=max(self.ppo.actor_minibatches, self.ppo.critic_minibatches),
             group=parallel.data,
         )
-        if r.dynamic_sampling_rounds and data.settings.fixed_rows_per_rank:
-            raise SettingError(
-                f"model.rollout.dynamic_sampling_rounds={r.dynamic_sampling_rounds} with "
-                "data.fixed_rows_per_rank=true: dynamic sampling keeps a varying number of rows "
-                "per rank; set one of them off."
-            )
         self.controller = PPOController(
             self.actor,
             self.critic,
             data,
-            self._old_logprobs(trainer, parallel),
+            plan.ppo,
             self.reference,
             callbacks,
             estimator=self.estimator,
@@ -229,14 +235,10 @@ class PPOSystem(LightningModule):
             trainer=trainer,
             reward_model=self.reward_model,
             run_log=self.run_log,
+            plan=plan,
         )
-        if parallel.data.size > 1 and self.ppo.max_failed_iterations:
-            raise SettingError(
-                f"model.ppo.max_failed_iterations={self.ppo.max_failed_iterations} under data "
-                f"parallelism ({parallel.data.size} ranks): a failure on one rank would leave "
-                "the others waiting in a collective; set it to 0."
-            )
         template = copy.deepcopy(self.engine)  # runners set their own copies up
+        started.enter("engine", self.engine)  # with its tool servers (multi-turn)
         self.engine.setup(self.actor.policy(), self.tokenizer, r)
         self.rollout_source = RolloutSource(
             self.task,
@@ -246,32 +248,34 @@ class PPOSystem(LightningModule):
             seed=self.seed,
             group=parallel.data,
             store=data.store,
-            rules=self.ppo.row_rules(r.max_new_tokens),
+            rules=plan.ppo.row_rules(r.max_new_tokens),
             tokenizer=self.tokenizer,
         )
         stop_at = getattr(trainer, "max_epochs", None)
         self.rollouts = RolloutPipeline(
             self.rollout_source,
-            self.runner,
+            plan.runner,
             template,
             staleness=r.max_staleness,
             warmup_iterations=self.ppo.critic_warmup_iterations,
             stop_at=stop_at if stop_at is not None and stop_at >= 0 else None,
         )
+        started.enter("runner", self.rollouts)
         if self._rollouts_state is not None:
             self.rollouts.load_state_dict(self._rollouts_state)
 
     def _max_row_length(self) -> int:
-        """The longest row a rollout can put: a multi-turn engine's ``max_tokens`` bounds it."""
-        for engine in (self.engine, getattr(self.engine, "engine", None)):  # Ray workers' too
-            if isinstance(engine, MultiTurnEngine):
-                return engine.max_tokens
+        """The longest row a rollout can put: the engine's bound, else prompt + response."""
+        bound = capabilities_of(self.engine).max_row_tokens  # a multi-turn engine's max_tokens
+        if bound is not None:
+            return bound
         return self.task.max_prompt_length() + 1 + self.rollout.max_new_tokens
 
     def _configure_modules(self) -> None:
         """Build the tokenizer, actor, critic, reward model and the frozen reference."""
-        self.tokenizer = tok = self._tokenizer()
-        self._check_vocabularies(tok)
+        self.tokenizer = tok = run_tokenizer(self.task, self.tokenizer_path)
+        modules = (self.actor, self.critic, self.reward_model)
+        check_vocabularies(tok, modules, self.resize_embeddings)
         ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
         self.actor.configure_model(*ids)
         for module in (self.critic, self.reward_model):
@@ -281,59 +285,14 @@ class PPOSystem(LightningModule):
         for module in (self.actor, self.critic):
             if module is not None:
                 module.max_response_tokens = self.rollout.max_new_tokens
-        self.actor.off_policy = stale_correction(
-            self.rollout, self.ppo.old_logprobs, self.actor.off_policy
-        )
         if self.ppo.kl_coef > 0 or self.actor.needs_reference:
             self.reference = self.actor.reference_policy()
 
-    def _old_logprobs(self, trainer: Any, parallel: ParallelContext) -> PPOConfig:
-        """``model.ppo`` with ``old_logprobs`` resolved (:mod:`lppo.old_logprobs`).
-
-        Under ``engine`` the engine is asked for π's log-probs with every sample.
-        """
-        rows = RowSource(
-            staleness=self.rollout.max_staleness,
-            precision=str(getattr(trainer, "precision", "32-true")),
-            shards_weights=parallel.layout.shards_weights(),
-        )
-        obstacles = engine_obstacles(self.engine, self.actor, self.ppo, rows)
-        config = resolve_old_logprobs(self.ppo, self.estimator, self.actor, obstacles)
-        if config.old_logprobs == "engine":
-            self.engine.return_policy_logprobs = True  # type: ignore[attr-defined]
-        return config
-
-    def _check_vocabularies(self, tok: Any) -> None:
-        """The tokenizer has every character of the task; each checkpoint has its vocabulary."""
-        check_task_coverage(tok, self.task, self.tokenizer_path)
-        keys = (
-            "actor.init_args.model",
-            "critic.init_args.backbone",
-            "reward_model.init_args.model",
-        )
-        for key, module in zip(keys, (self.actor, self.critic, self.reward_model), strict=True):
-            spec = getattr(module, "spec", None)
-            if isinstance(spec, HFCausalLM):
-                spec.check_vocabulary(f"model.{key}", tok, self.resize_embeddings)
-
-    def _tokenizer(self) -> Any:
-        if self.tokenizer_path is None:
-            return build_char_tokenizer(self.task.vocabulary())
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
-
     def _datamodule(self, trainer: Any) -> ReplayDataModule:
         data = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if data is None:
-            data = getattr(self, "_standalone_data", None) or ReplayDataModule()
-            self._standalone_data = data
-        if not isinstance(data, ReplayDataModule):
-            raise TypeError(
-                f"PPOSystem needs a ReplayDataModule (got {type(data).__name__}); "
-                "use `data: class_path: lppo.data.ReplayDataModule`."
-            )
-        return data
+        if data is None:  # a system used without a trainer keeps one of its own
+            data = self._standalone_data = self._standalone_data or ReplayDataModule()
+        return ReplayDataModule.check(data)
 
     def configure_optimizers(self) -> Any:
         """Actor and critic optimizers (and schedulers), so checkpoints hold their state."""
@@ -343,10 +302,14 @@ class PPOSystem(LightningModule):
         return (optimizers, schedulers) if schedulers else optimizers
 
     def teardown(self, stage: str) -> None:
-        """Stop the rollout runner and what the engine started (Ray rollout workers)."""
-        if self.rollouts is not None:
-            self.rollouts.close()
-        self.engine.close()
+        """Close what the run started, in reverse start order, once (:mod:`lppo.lifetimes`).
+
+        Runner, engine (its workers and tool servers), store (Ray stops with the last of its
+        users). After a failure (called
+        from the exception's handler) a failing close is logged, so the run's own error stays
+        the one raised.
+        """
+        self.resources.close(raise_errors=sys.exc_info()[0] is None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the task's state, the run log (with the failure count) and the run's settings."""
@@ -354,6 +317,8 @@ class PPOSystem(LightningModule):
         checkpoint[RUN_LOG_KEY] = self.run_log.state_dict()
         if self.rollouts is not None:
             checkpoint[ROLLOUTS_KEY] = self.rollouts.state_dict()
+        if self.plan is not None:
+            checkpoint[PLAN_KEY] = self.plan.state_dict()
         trainer = attached_trainer(self)
         checkpoint[SETTINGS_KEY] = run_settings(self, self._datamodule(trainer), trainer)
 
@@ -370,16 +335,9 @@ class PPOSystem(LightningModule):
         if saved is None or trainer is None:  # not a resume (e.g. load_from_checkpoint)
             return
         current = run_settings(self, self._datamodule(trainer), trainer)
-        applicable, refused = settings_changes(saved, current)
-        if refused:
-            raise CheckpointError(
-                "resuming with settings that differ from the checkpoint's:\n  "
-                + "\n  ".join(refused)
-                + "\nThese cannot be applied to a restored run: restore them, or start a new "
-                "run from the trained weights (lppo.export / HFExport)."
-            )
-        if applicable:
-            rank_zero_info("resuming with changed settings (applied): " + "; ".join(applicable))
+        # an auto that now resolves otherwise would compute otherwise: refused like a setting
+        planned = plan_changes(checkpoint.get(PLAN_KEY, {}), self.plan) if self.plan else []
+        check_resume(saved, current, planned)
         self._resumed_lrs = {
             m: saved[f"{m.config_key}.lr"]
             for m in (self.actor, self.critic)
@@ -388,15 +346,7 @@ class PPOSystem(LightningModule):
 
     def on_train_start(self) -> None:
         """Give the restored optimizers a learning rate changed on resume (scaled schedules)."""
-        for module, old in getattr(self, "_resumed_lrs", {}).items():
-            ratio = module.lr / old
-            assert module.optimizer is not None
-            for group in module.optimizer.param_groups:
-                group["lr"] *= ratio
-                if "initial_lr" in group:
-                    group["initial_lr"] *= ratio
-            if module.scheduler is not None:
-                module.scheduler.base_lrs = [lr * ratio for lr in module.scheduler.base_lrs]
+        scale_resumed_lrs(getattr(self, "_resumed_lrs", {}))
         self._resumed_lrs = {}
 
     def training_step(self, *args: Any, **kwargs: Any) -> None:
@@ -434,3 +384,15 @@ class PPOSystem(LightningModule):
         """The actor's full weights for the engine (gathered once, under a sharding layout)."""
         assert self.controller is not None
         return self.controller.parallel.layout.gathered([self.actor])
+
+
+def _check_own_settings(seed: int, num_threads: int | None, resize_embeddings: bool) -> None:
+    """``model.seed``, ``model.num_threads`` and ``model.resize_embeddings``, checked eagerly."""
+    if not isinstance(resize_embeddings, bool):
+        raise SettingError(
+            f"model.resize_embeddings={resize_embeddings!r} must be true or false (false: "
+            "a checkpoint whose vocabulary is not the tokenizer's is refused)."
+        )
+    check_number("model.seed", seed, integer=True, low=0)
+    fix = "null keeps torch's default."
+    check_number("model.num_threads", num_threads, integer=True, low=1, optional=True, fix=fix)

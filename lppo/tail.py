@@ -27,9 +27,9 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from lppo.decisions import note
 from lppo.validation import SettingError
 
 #: ``config.model_type`` values whose blocks have the layout :class:`TailBlock` computes.
@@ -94,13 +94,15 @@ def resolve_trim(
         SettingError: ``true`` where the module or its body cannot run :func:`trimmed`.
     """
     if setting is False:
+        note(key, "off", setting="false")
         return False
     reason = unfit or (untrimmable(body) if body is not None else "no Hugging Face body")
     if reason is None:
+        note(key, "on", setting=str(setting).lower())
         return True
     if setting is True:
         raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
-    rank_zero_info(f"{key}=auto: off ({reason})")
+    note(key, "off", reason)
     return False
 
 
@@ -122,7 +124,7 @@ def switch_off_under_sharding(modules: Iterable[Any], layout_name: str) -> None:
                 f"{key}=true under {layout_name}, which shards the weights: the trimmed last "
                 f"block would bypass its per-block all-gather; set {key}: false (or auto)."
             )
-        rank_zero_info(f"{key}=auto: off (under {layout_name}, which shards the weights)")
+        note(key, "off", f"under {layout_name}, which shards the weights")
         module.trim_prompt = False
 
 

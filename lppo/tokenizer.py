@@ -15,6 +15,7 @@ from typing import Any
 import transformers
 from tokenizers import Tokenizer, decoders, models, processors
 
+from lppo.models import HFCausalLM
 from lppo.tasks.base import Task
 from lppo.validation import SettingError
 
@@ -145,3 +146,37 @@ def check_task_coverage(tokenizer: Any, task: Task, tokenizer_path: str | None) 
             "remove them from the task's text."
         )
     check_coverage(tokenizer, task.sample_texts(), fix)
+
+
+def run_tokenizer(task: Task, tokenizer_path: str | None) -> Any:
+    """The run's tokenizer, checked to cover the task (``model.tokenizer_path``).
+
+    ``None`` builds a character tokenizer of the task's vocabulary; a path is loaded offline.
+    """
+    if tokenizer_path is None:
+        tokenizer = build_char_tokenizer(task.vocabulary())
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            tokenizer_path, local_files_only=True
+        )
+    check_task_coverage(tokenizer, task, tokenizer_path)
+    return tokenizer
+
+
+def check_vocabularies(tokenizer: Any, modules: Sequence[Any], resize: bool) -> None:
+    """Each Hugging Face checkpoint of ``modules`` (actor, critic, reward model) fits ``tokenizer``.
+
+    Args:
+        tokenizer: the run's tokenizer.
+        modules: the actor, the critic and the reward model (``None`` where absent).
+        resize: ``model.resize_embeddings`` (resize a differing vocabulary instead of refusing).
+    """
+    keys = (
+        "actor.init_args.model",
+        "critic.init_args.backbone",
+        "reward_model.init_args.model",
+    )
+    for key, module in zip(keys, modules, strict=True):
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, HFCausalLM):
+            spec.check_vocabulary(f"model.{key}", tokenizer, resize)

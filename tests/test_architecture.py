@@ -139,3 +139,69 @@ def test_layering() -> None:
             allowed = {"lppo.algorithms", "lppo.stats", "lppo.validation", "lppo.types"}
             stray = {t for t in targets if not t.startswith("lppo.algorithms.")} - allowed
             assert not stray, (module, stray)
+
+
+#: ``(importer, concrete layout module)`` imports allowed outside ``lppo/layouts/``, with why.
+LAYOUT_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
+    ("lppo.modules.megatron.model", "lppo.layouts.megatron"): (
+        "a megatron spec built outside lppo's strategy (a script, a test) takes megatron's "
+        "groups itself; under the strategy the layout hands them over"
+    ),
+}
+
+
+def concrete_layout_modules() -> set[str]:
+    """The modules of ``lppo/layouts/`` that implement a registered layout (not the registry)."""
+    from lppo.layouts import LAYOUTS
+
+    modules = {cls.__module__ for cls, _ in LAYOUTS.values()}
+    return {m for m in modules if m.startswith("lppo.layouts.")}
+
+
+def test_only_the_layouts_and_the_strategy_know_concrete_layouts() -> None:
+    """Modules and engines reach weights and groups through ``ParallelLayout``, not a layout's
+    own helpers: only ``lppo/layouts/`` imports a concrete layout module (the registry in
+    ``lppo/layouts/__init__.py`` included); ``lppo.strategy`` takes the registry."""
+    concrete = concrete_layout_modules()
+    assert {"lppo.layouts.fsdp", "lppo.layouts.megatron"} <= concrete
+    edges = graph()
+    stray = {
+        (module, target)
+        for module, targets in edges.items()
+        if not module.startswith("lppo.layouts")
+        for target in targets & concrete
+    } - set(LAYOUT_IMPORTS_ALLOWED)
+    assert stray == set(), stray
+    registry_users = {
+        m for m, ts in edges.items() if "lppo.layouts" in ts and not m.startswith("lppo.layouts")
+    }
+    assert registry_users == {"lppo.strategy"}
+
+
+def test_the_parallel_context_holds_no_megatron_code() -> None:
+    """megatron-core's groups belong to its layout (``lppo/layouts/megatron.py``): no name,
+    import or string of ``lppo/parallel.py``'s code (docstrings aside) mentions megatron."""
+    tree = ast.parse((ROOT / "lppo" / "parallel.py").read_text())
+    scopes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, scopes) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                names.add(node.value)
+    assert "ProcessGroup" in names  # the scan reads the file's code
+    assert {n for n in names if "megatron" in n.lower()} == set()

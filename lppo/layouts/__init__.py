@@ -3,7 +3,11 @@
 :data:`LAYOUTS` names each layout for ``--trainer.strategy`` (registered in Lightning's
 ``StrategyRegistry`` by :mod:`lppo.strategy`). Adding a layout: a file implementing
 :class:`~lppo.parallel.ParallelLayout` and one entry here. The data-parallel layout lives in
-:mod:`lppo.parallel` (it is every context's default); the others live here.
+:mod:`lppo.parallel` (it is every context's default); the others live here, each with what it
+owns (FSDP's mesh, megatron-core's groups). Code outside this package reaches a layout only
+through the protocol (``module.parallel.layout``), not by importing its module; the one
+exception is the megatron backend's model spec, which takes megatron's groups itself when it
+is built outside lppo's strategy (``tests/test_architecture.py`` lists it).
 """
 
 from __future__ import annotations

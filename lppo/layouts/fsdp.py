@@ -37,7 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lppo.parallel import ParallelContext, ProcessGroup, data_parallel_context, sum_gradients
+from lppo.parallel import (
+    LAYOUT_ATTRIBUTE,
+    ParallelContext,
+    ProcessGroup,
+    data_parallel_context,
+    sum_gradients,
+)
 from lppo.validation import SettingError
 
 #: Marks the models :meth:`FSDPLayout.prepare` sharded as a whole (the FSDP roots).
@@ -90,6 +96,10 @@ class FSDPLayout:
         """Sharding over every launched process (the data-parallel group)."""
         return data_parallel_context(self, world_size, rank)
 
+    def build_context(self, root: nn.Module, world_size: int, rank: int) -> ParallelContext:
+        """:meth:`context`: the models are built whole and sharded later, in :meth:`prepare`."""
+        return self.context(world_size, rank)
+
     def prepare(self, root: nn.Module, parallel: ParallelContext) -> None:
         """Rank 0's states everywhere, then shard every Hugging Face model under ``root``."""
         from torch.distributed.device_mesh import init_device_mesh
@@ -121,6 +131,7 @@ class FSDPLayout:
             # Reduced once per step, in reduce_gradients, unless every chunk reduces its own.
             model.set_requires_gradient_sync(self.reduce_every_chunk)
             setattr(model, ROOT_MARK, True)
+            setattr(model, LAYOUT_ATTRIBUTE, self)  # for code handed only the model (layout_of)
 
     def _precision(self, output: torch.dtype | None = None) -> Any:
         """FSDP's mixed-precision policy; ``output``: the dtype outputs are cast to (or not)."""
@@ -208,6 +219,18 @@ class FSDPLayout:
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with every shard gathered (a collective, same on every rank)."""
         return whole_state_dict(module)
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of a shard (a collective: every rank must call it); else itself."""
+        return whole(tensor)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a sharded tensor; a whole tensor itself."""
+        return local_part(tensor)
+
+    def is_sharded(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a shard (a ``DTensor``) of an FSDP-sharded model."""
+        return is_sharded(tensor)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with every sharded state tensor gathered."""

@@ -1,10 +1,12 @@
 """``ppo_megatron``: megatron-core modules over data-parallel x tensor-parallel ranks.
 
 A megatron model spec (:class:`~lppo.modules.megatron.MegatronGPT`) splits each layer over
-``tensor_parallel_size`` consecutive ranks and initializes megatron-core's groups when it is
-built. This layout takes the run's groups from megatron: the data-parallel group has one rank
-per tensor-parallel replica, so rollout, scoring, the planner, statistics and the setup
-broadcast span the replicas while every tensor-parallel rank of a replica sees the same rows.
+``tensor_parallel_size`` consecutive ranks. This layout owns megatron-core's groups: the
+strategy calls :meth:`MegatronLayout.build_context` before the models are built, which
+initializes megatron's model-parallel state at the specs' size (:func:`megatron_context`) and
+hands the groups to the specs. The data-parallel group has one rank per tensor-parallel
+replica, so rollout, scoring, the planner, statistics and the setup broadcast span the
+replicas while every tensor-parallel rank of a replica sees the same rows.
 
 Gradients: chunks accumulate into megatron DDP's contiguous buffer (``param.main_grad``) with
 no data-parallel sync; :meth:`MegatronLayout.reduce_gradients` runs megatron's
@@ -12,42 +14,88 @@ no data-parallel sync; :meth:`MegatronLayout.reduce_gradients` runs megatron's
 the global norm with tensor-parallel shards counted once; clipping scales the buffer. Modules
 without a megatron DDP model (a Hugging Face critic beside a megatron actor) are reduced as
 ``ppo_ddp`` reduces them. Everything else (full replicas per tensor rank, whole-tensor state
-dicts through the megatron modules' own hooks) is :class:`~lppo.parallel.DataParallelLayout`'s.
+dicts through the megatron modules' own hooks, so :meth:`~DataParallelLayout.full` and
+:meth:`~DataParallelLayout.local` return tensors as they are) is
+:class:`~lppo.parallel.DataParallelLayout`'s.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from lppo.parallel import DataParallelLayout, ParallelContext, ProcessGroup, megatron_groups
+from lppo.parallel import (
+    DataParallelLayout,
+    ParallelContext,
+    ProcessGroup,
+    default_world,
+    start_local_group,
+)
 from lppo.validation import SettingError
+
+#: Why ``ppo_megatron`` cannot lay a run out that has no megatron-core module.
+NO_MEGATRON_MODULE = (
+    "trainer.strategy=ppo_megatron lays out megatron-core modules, but the run built none; "
+    "use lppo.modules.megatron.MegatronActor / MegatronCritic for model.actor / model.critic, "
+    "or trainer.strategy=ppo_ddp / ppo_fsdp for Hugging Face models."
+)
+
+
+@runtime_checkable
+class MegatronSpec(Protocol):
+    """What the layout reads and sets of a megatron model spec (``MegatronGPT`` is one).
+
+    Attributes:
+        tensor_parallel_size: ranks each layer is split over.
+        key: where ``tensor_parallel_size`` lives in the config (messages).
+        context: the groups the model is built over (``None`` until handed or built).
+    """
+
+    tensor_parallel_size: int
+    key: str
+    context: ParallelContext | None
 
 
 @dataclass(frozen=True)
 class MegatronLayout(DataParallelLayout):
     """megatron-core's data x tensor-parallel groups and its DDP gradient reduce."""
 
+    def build_context(self, root: nn.Module, world_size: int, rank: int) -> ParallelContext:
+        """Initialize megatron-core's groups at the specs' size and hand them to every spec.
+
+        Raises:
+            SettingError: no megatron module under ``root``, specs of different sizes, or
+                groups that do not span the ``world_size`` launched processes.
+        """
+        specs = megatron_specs(root)
+        if not specs:
+            raise SettingError(NO_MEGATRON_MODULE)
+        for spec in specs:
+            spec.context = self.groups(spec.tensor_parallel_size, spec.key)
+        return self.context(world_size, rank)
+
+    def groups(self, tensor_parallel_size: int, key: str) -> ParallelContext:
+        """megatron-core's groups at ``tensor_parallel_size`` (initialized once), this layout's.
+
+        What a spec built outside a strategy (a script, a test) takes for itself.
+        """
+        groups = megatron_context(tensor_parallel_size, key)
+        return ParallelContext(data=groups.data, tensor=groups.tensor, layout=self)
+
     def context(self, world_size: int, rank: int) -> ParallelContext:
         """megatron-core's data- and tensor-parallel groups of this rank.
 
         Raises:
-            SettingError: no megatron module was built (megatron-core not initialized), or its
-                groups do not span the ``world_size`` launched processes.
+            SettingError: megatron-core's groups were not initialized (no megatron module was
+                built), or they do not span the ``world_size`` launched processes.
         """
-        state = sys.modules.get("megatron.core.parallel_state")  # never imported: no megatron
-        if state is None or not state.model_parallel_is_initialized():
-            raise SettingError(
-                "trainer.strategy=ppo_megatron lays out megatron-core modules, but the run "
-                "built none; use lppo.modules.megatron.MegatronActor / MegatronCritic for "
-                "model.actor / model.critic, or trainer.strategy=ppo_ddp / ppo_fsdp for "
-                "Hugging Face models."
-            )
+        if not megatron_ready():
+            raise SettingError(NO_MEGATRON_MODULE)
         groups = megatron_groups()
         if groups.data.size * groups.tensor.size != world_size:
             raise SettingError(
@@ -108,3 +156,74 @@ def tensor_parallel_grad_norm(
         if id(p) in wanted and (tensor.rank == 0 or split_dim(name) is not None):
             total += p.main_grad.to(torch.float64).square().sum()
     return math.sqrt(float(tensor.all_reduce(total)))
+
+
+def megatron_specs(root: nn.Module) -> list[MegatronSpec]:
+    """The megatron model specs of the modules under ``root`` (each once), in module order."""
+    found: dict[int, MegatronSpec] = {}
+    for module in root.modules():
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, MegatronSpec):
+            found.setdefault(id(spec), spec)
+    return list(found.values())
+
+
+def megatron_ready() -> bool:
+    """Whether megatron-core is installed and its model-parallel groups are initialized."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # no megatron-core: no megatron module can have been built
+        return False
+    return bool(parallel_state.model_parallel_is_initialized())
+
+
+def megatron_context(
+    tensor_parallel_size: int, key: str = "tensor_parallel_size"
+) -> ParallelContext:
+    """Initialize megatron-core's model-parallel state (once) and name its groups.
+
+    megatron-core needs a default process group even in one process: without one, a
+    single-rank group is created (NCCL when CUDA is available, gloo otherwise). Ranks are
+    split into data-parallel replicas of ``tensor_parallel_size`` consecutive ranks each.
+
+    Args:
+        tensor_parallel_size: ranks each layer is split over; must divide the world size.
+        key: where the setting lives in the config (error messages).
+
+    Returns:
+        The data-parallel and tensor-parallel groups of this rank.
+
+    Raises:
+        SettingError: the world size is not a multiple of ``tensor_parallel_size``, or
+            megatron-core was initialized before with another size.
+    """
+    from megatron.core import parallel_state
+
+    start_local_group("lppo-megatron-")
+    world, _ = default_world()
+    if tensor_parallel_size < 1 or world % tensor_parallel_size:
+        raise SettingError(
+            f"{key}={tensor_parallel_size} must be >= 1 and divide the number of processes, "
+            f"trainer.devices x trainer.num_nodes = {world}; set {key} to a divisor of it "
+            "(data-parallel ranks = processes / tensor_parallel_size), or change trainer.devices."
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    have = parallel_state.get_tensor_model_parallel_world_size()
+    if have != tensor_parallel_size:
+        raise SettingError(
+            f"megatron-core is already initialized with tensor parallelism {have}; every "
+            f"megatron module of a run needs the same tensor_parallel_size (got "
+            f"{key}={tensor_parallel_size})."
+        )
+    return megatron_groups()
+
+
+def megatron_groups() -> ParallelContext:
+    """megatron-core's data- and tensor-parallel groups of this rank (state initialized)."""
+    from megatron.core import parallel_state
+
+    return ParallelContext(
+        data=ProcessGroup.of(parallel_state.get_data_parallel_group()),
+        tensor=ProcessGroup.of(parallel_state.get_tensor_model_parallel_group()),
+    )

@@ -195,7 +195,7 @@ class ActorModule(PPOModule):
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
         if self._merged is not None:  # LoRA: the base model with the adapters merged in
-            return self._merged.current(self.model, self.weights_version)
+            return self._merged.current(self.model, self.weights_version, self.parallel.layout)
         return self.model
 
     def reference_policy(self) -> nn.Module:

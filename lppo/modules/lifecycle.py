@@ -385,3 +385,10 @@ class PPOModule(RecordsInitArgs, nn.Module):
 def _bump_weights_version(module: nn.Module, incompatible_keys: object) -> None:
     """``load_state_dict`` post-hook: loaded parameters are new weights."""
     module.weights_version += 1
+
+
+def disable_dropout(module: nn.Module) -> None:
+    """Set the probability of every ``nn.Dropout`` (and subclass) inside ``module`` to 0."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0

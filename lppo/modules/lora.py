@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lppo.layouts.fsdp import whole
+from lppo.parallel import ParallelLayout
 from lppo.validation import SettingError, check_number
 
 EXTRA = "pip install -c constraints.txt -e '.[lora]'"
@@ -99,12 +99,13 @@ def is_adapted(model: nn.Module | None) -> bool:
     return model is not None and hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state(model: nn.Module, layout: ParallelLayout) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapter folded into its weight.
 
     Keys are the plain Hugging Face names (``…q_proj.weight``); each adapted weight is
     ``W + ΔW`` (PEFT's own ``get_delta_weight``, so GPT-2's transposed layers are handled).
-    Under ``ppo_fsdp`` the tensors are gathered whole, so every rank must call it.
+    Tensors are taken whole through ``layout`` (the module's): under ``ppo_fsdp`` the shards
+    are gathered, so every rank must call it.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -113,14 +114,14 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             for adapter in module.active_adapters:
-                delta = whole(module.get_delta_weight(adapter).detach())
+                delta = layout.full(module.get_delta_weight(adapter).detach())
                 deltas[f"{name}.weight"] = deltas.get(f"{name}.weight", 0) + delta
     state = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
             continue
         plain = key.replace(".base_layer.", ".")
-        tensor = whole(value.detach())  # FSDP shards gathered (every rank calls this)
+        tensor = layout.full(value.detach())  # shards gathered (every rank calls this)
         state[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
     return state
 
@@ -140,12 +141,15 @@ class MergedPolicy:
         self._model = [copy.deepcopy(plain).requires_grad_(False)]
         self._version = 0  # the copy holds the base weights: the adapters start at 0
 
-    def current(self, adapted: nn.Module, version: int) -> nn.Module:
-        """The merged model for the adapted model's weights at ``version``."""
+    def current(self, adapted: nn.Module, version: int, layout: ParallelLayout) -> nn.Module:
+        """The merged model for the adapted model's weights at ``version``.
+
+        ``layout``: how the adapted model's tensors are held (the actor's).
+        """
         model = self._model[0]
         if version != self._version:
             with torch.no_grad():
-                model.load_state_dict(merged_state(adapted))
+                model.load_state_dict(merged_state(adapted, layout))
             self._version = version
         return model
 

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import torch
 
-from lppo.layouts.fsdp import is_sharded, local_part
 from lppo.parallel import ParallelContext
 
 
@@ -132,17 +131,20 @@ class Transaction:
 def parameters_finite(module: Trainable) -> bool:
     """Whether every trainable parameter is finite (one max-abs reduction, no overflow).
 
-    Sharded parameters (``DTensor``, under ``ppo_fsdp``) are checked shard by shard, and the
-    ranks agree through one all-reduce, so every rank takes the same branch.
+    Sharded parameters (under ``ppo_fsdp``) are checked shard by shard (each rank its own
+    part, through the module's layout), and the ranks agree through one all-reduce, so every
+    rank takes the same branch.
     """
+    layout = module.parallel.layout
     params = [p.detach() for p in module.trainable_parameters()]
     if not params:
         return True
     # min and max of each tensor: NaN propagates through both, ±inf is one of them, and
     # aminmax is one cheap pass (an inf-norm is several times slower on CPU).
-    bounds = [torch.stack(torch.aminmax(t)) for t in map(local_part, params) if t.numel()]
+    local = [layout.local(p) for p in params]  # each rank checks its own part
+    bounds = [torch.stack(torch.aminmax(t)) for t in local if t.numel()]
     finite = torch.isfinite(torch.cat(bounds)).all() if bounds else torch.tensor(True)
-    if not any(is_sharded(p) for p in params):
+    if not any(layout.is_sharded(p) for p in params):
         return bool(finite)
     group = module.parallel.data
     return bool(group.all_reduce(finite.to(torch.int32).reshape(1), op="min").item())

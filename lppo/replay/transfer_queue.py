@@ -18,6 +18,8 @@ See :mod:`lppo.replay.base` for the rules every backend follows; the conformance
   attaches to a running cluster by ``trainer.ray.address``); :meth:`close` (called by
   ``ReplayDataModule`` at the end of fit and on failure) stops only what this process started.
   Under data parallelism every rank uses rank 0's cluster and partition (:meth:`connect`).
+* **Plumbing** (:mod:`lppo.replay._tq_client`, the store's base class): each catalog call and
+  TransferQueue transfer, bounded by ``timeout_s``.
 
 Semantics beyond :mod:`lppo.replay.base`, the same as :class:`~lppo.replay.MemoryReplayStore`
 (duplicate ids in ``put`` / ``write`` / ``claim`` / ``release`` raise ``ValueError``; empty calls
@@ -49,26 +51,12 @@ from typing import Any
 import torch
 
 from lppo.parallel import ProcessGroup
-from lppo.ray_runtime import cluster_address, configure_ray, configured_ray, ray_module
+from lppo.ray_runtime import cluster_address, configure_ray, configured_ray
 from lppo.replay._checks import as_ids, as_lists, decode_dtype
 from lppo.replay._segments import count_true
-from lppo.replay._tq_fields import (
-    ERRORS,
-    checked_specs,
-    nbytes_of,
-    row_lengths,
-    rows_of,
-    to_batch,
-)
-from lppo.replay._tq_runtime import (
-    TIMEOUT_KEY,
-    StoreTimeoutError,
-    acquire_tq,
-    bounded,
-    release_tq,
-    timeout_error,
-    tq_module,
-)
+from lppo.replay._tq_client import TQClient
+from lppo.replay._tq_fields import checked_specs, nbytes_of, row_lengths, to_batch
+from lppo.replay._tq_runtime import TIMEOUT_KEY, StoreTimeoutError, release_tq
 from lppo.replay._tq_state import decode_state, encode_state
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
 from lppo.validation import SettingError, check_number
@@ -78,7 +66,7 @@ __all__ = ["StoreTimeoutError", "TransferQueueReplayStore"]
 _FORMAT = "lppo.replay.transfer_queue/1"
 
 
-class TransferQueueReplayStore:
+class TransferQueueReplayStore(TQClient):
     """:class:`~lppo.replay.base.ReplayStore` over TransferQueue, shared across processes.
 
     Nothing starts at construction; :meth:`connect` (called by ``ReplayDataModule`` at setup)
@@ -128,12 +116,6 @@ class TransferQueueReplayStore:
         self.timeout_s = state["timeout_s"]
         self._catalog, self._owner = None, False
 
-    def _open(self) -> Any:
-        """The catalog actor; the first use starts (or attaches to) Ray and TransferQueue."""
-        if self._catalog is None:
-            self._catalog = acquire_tq(self.num_storage_units)
-        return self._catalog
-
     def connect(self, group: ProcessGroup) -> None:
         """Start (or attach to) Ray and TransferQueue now; every rank of ``group`` shares them.
 
@@ -155,29 +137,6 @@ class TransferQueueReplayStore:
         self.partition, self._owner = partition, False
         self._open()
 
-    def _submit(self, method: str, *args: Any) -> tuple[str, Any]:
-        """Start a catalog method for this partition; returns its name and Ray object ref."""
-        return method, getattr(self._open(), method).remote(self.partition, *args)
-
-    def _result(self, call: tuple[str, Any]) -> Any:
-        """Wait for a catalog call; raise its error here."""
-        err, value = self._get(call)
-        if err is not None:
-            raise ERRORS[err](value)
-        return value
-
-    def _get(self, call: tuple[str, Any]) -> Any:
-        """``ray.get`` of a catalog call, waiting at most ``timeout_s``."""
-        ray = ray_module("tq")
-        try:
-            return ray.get(call[1], timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise timeout_error(self.partition, f"catalog {call[0]}", self.timeout_s) from None
-
-    def _call(self, method: str, *args: Any) -> Any:
-        """Run a catalog method for this partition; raise its error here."""
-        return self._result(self._submit(method, *args))
-
     def close(self) -> None:
         """Drop this store's rows (the original store only) and release TransferQueue / Ray.
 
@@ -192,16 +151,6 @@ class TransferQueueReplayStore:
         finally:
             self._catalog = None
             release_tq()
-
-    def _clear_keys(self, ids: Sequence[int]) -> None:
-        if ids:
-            self._tq("clear", keys=[str(i) for i in ids])
-
-    def _tq(self, op: str, **kwargs: Any) -> Any:
-        """TransferQueue's ``kv_<op>`` on this partition, waiting at most ``timeout_s``."""
-        run = getattr(tq_module(), f"async_kv_{op}")
-        make = lambda: run(partition_id=self.partition, **kwargs)  # noqa: E731
-        return bounded(make, self.partition, f"TransferQueue kv_{op}", self.timeout_s)
 
     @property
     def shared(self) -> bool:
@@ -258,9 +207,6 @@ class TransferQueueReplayStore:
             self._clear_keys(id_list)
             raise
 
-    def _transfer(self, ids: list[int], batch: Any) -> None:
-        self._tq("batch_put", keys=[str(i) for i in ids], fields=batch)
-
     def write(self, ids: Sequence[int], columns: Mapping[str, Sequence[torch.Tensor]]) -> None:
         """Add or overwrite columns of existing rows (any subset of live rows).
 
@@ -310,22 +256,6 @@ class TransferQueueReplayStore:
             raise
         self._result(check)
         return rows
-
-    def _fetch(self, id_list: list[int], names: list[str]) -> dict[str, list[torch.Tensor]]:
-        unique = list(dict.fromkeys(id_list))
-        got = self._tq("batch_get", keys=[str(i) for i in unique], select_fields=names)
-        pos = {i: k for k, i in enumerate(unique)}
-        out = {}
-        for name in names:
-            rows = rows_of(got[name])
-            seen: set[int] = set()
-            col = []
-            for i in id_list:  # a repeated id gets its own copy
-                t = rows[pos[i]]
-                col.append(t.clone() if i in seen else t)
-                seen.add(i)
-            out[name] = col
-        return out
 
     def meta(self, ids: Sequence[int] | None = None) -> RowMeta:
         """Lengths and valid-token counts of ``ids`` (all live rows, ascending, when ``None``).

@@ -8,10 +8,11 @@ from typing import Literal
 
 import torch
 import transformers
-from lightning.pytorch.utilities import rank_zero_info
 
+from lppo.decisions import note
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
+from lppo.rollout.capabilities import EngineCapabilities
 from lppo.rollout.encoding import encode_prompt, prompt_text
 from lppo.rollout.hf_attention import filled_part_decode
 from lppo.rollout.hf_prefill import (
@@ -124,7 +125,7 @@ class HFGenerateEngine(RecordsInitArgs):
         self.sort_by_length = sort_by_length
         self.weights_version = 0
         #: Return π's own log-probs with every sample (``GenerationOutput.policy_logprobs``);
-        #: set by :class:`~lppo.system.PPOSystem` when ``model.ppo.old_logprobs`` is ``engine``.
+        #: set through :meth:`capabilities` when the run plan picks ``old_logprobs: engine``.
         self.return_policy_logprobs = False
         self._model: transformers.PreTrainedModel | None = None
         self._tokenizer: transformers.PreTrainedTokenizerBase | None = None
@@ -175,16 +176,33 @@ class HFGenerateEngine(RecordsInitArgs):
         self.sampling = sampling
         obstacles = gumbel_obstacles(policy.generation_config)  # type: ignore[arg-type]
         self.gumbel = not obstacles
-        if obstacles:
-            rank_zero_info(
-                "HFGenerateEngine samples with generate's torch.multinomial: the model's "
-                f"generation config sets {', '.join(obstacles)} (lppo.rollout.hf_sampler)"
-            )
+        reason = f"the model's generation config sets {', '.join(obstacles)}"
+        note(
+            "HFGenerateEngine sampler",
+            "torch.multinomial" if obstacles else "gumbel",
+            reason if obstacles else "",
+            text=f"HFGenerateEngine samples with generate's torch.multinomial: {reason} "
+            "(lppo.rollout.hf_sampler)"
+            if obstacles
+            else "",
+        )
         self.eos_token_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
 
-    def policy_logprob_obstacles(self, policy: torch.nn.Module) -> list[str]:
+    def capabilities(self) -> EngineCapabilities:
+        """π's own log-probs with every sample (``model.ppo.old_logprobs: engine``)."""
+        return EngineCapabilities(
+            policy_logprob_obstacles=self.policy_logprob_obstacles,
+            enable_policy_logprobs=self._enable_policy_logprobs,
+        )
+
+    def _enable_policy_logprobs(self) -> None:
+        self.return_policy_logprobs = True
+
+    def policy_logprob_obstacles(
+        self, policy: torch.nn.Module, dtype: torch.dtype | None = None
+    ) -> list[str]:
         """Why this engine's log-probs of π would not be ``policy``'s π_old (empty: they are).
 
         The engine samples from ``policy`` itself (the same module, so the same weights), and
@@ -192,12 +210,14 @@ class HFGenerateEngine(RecordsInitArgs):
         processor, are the log-probabilities the actor scores, up to float round-off. That
         holds for full-attention models (a sliding-window layer counts its window over the
         left-padded batch, which the trainer does not pad) computing in at most float32
-        (``generate`` takes each step's logits in float32).
+        (``generate`` takes each step's logits in float32), whether ``policy`` is float64 now or
+        the run's precision (``dtype``) will make it so.
         """
         reasons = []
         if (layer := other_cache_layer(policy)) is not None:
             reasons.append(f"the policy has a {layer} layer (only full attention is exact)")
-        if any(p.dtype == torch.float64 for p in policy.parameters()):
+        # dtype: what the trainer converts the policy to (64-true), known before it does.
+        if dtype == torch.float64 or any(p.dtype == torch.float64 for p in policy.parameters()):
             reasons.append("generate rounds the float64 policy's logits to float32")
         return reasons
 

@@ -20,9 +20,10 @@ from typing import Literal
 
 import torch
 import transformers
-from lightning.pytorch.utilities import rank_zero_info
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
+
+from lppo.decisions import note
 
 #: ``prefill_tokens: auto``'s piece budget: a few thousand padded tokens keep each piece one
 #: efficient forward pass while rows of very different lengths go to different pieces.
@@ -143,12 +144,51 @@ def prefilled_cache(
         for i, layer in enumerate(piece.layers):
             keys[i][rows, :, cols] = layer.keys
             values[i][rows, :, cols] = layer.values
-    copies = [r for r, source in enumerate(sources or []) if source != r]
-    if keys and copies:
-        origin = [sources[r] for r in copies]  # type: ignore[index]
+    _copy_shared_prefixes(keys, values, sources)
+    return _as_cache(model, static, keys, values, width)
+
+
+def _copy_shared_prefixes(
+    keys: list[torch.Tensor], values: list[torch.Tensor], sources: list[int] | None
+) -> None:
+    """Give every row that repeats a prompt its source row's prefix (in place).
+
+    Args:
+        keys: per-layer prefix keys, ``[B, heads, W - 1, head_dim]`` (empty: nothing cached).
+        values: per-layer prefix values, shaped like ``keys``.
+        sources: for every row, the row whose prefix it takes (:func:`shared_prefill_pieces`);
+            ``None``: every row was prefilled itself.
+    """
+    if sources is None or not keys:
+        return
+    copies = [r for r, source in enumerate(sources) if source != r]
+    if copies:
+        origin = [sources[r] for r in copies]
         for tensors in (keys, values):
             for t in tensors:
                 t[copies] = t[origin]
+
+
+def _as_cache(
+    model: transformers.PreTrainedModel,
+    static: StaticCache | None,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    width: int,
+) -> transformers.Cache:
+    """The cache ``generate`` takes, holding the prefix ``keys`` / ``values`` of ``width - 1``.
+
+    Args:
+        model: the causal LM (its config shapes a ``DynamicCache``).
+        static: the ``StaticCache`` the prefix was written into, or ``None`` for a
+            ``DynamicCache`` built from ``keys`` and ``values``.
+        keys: per-layer prefix keys (empty: every prompt is one token, nothing cached).
+        values: per-layer prefix values.
+        width: the padded prompt width ``W``.
+
+    Returns:
+        ``static`` with its length recorded, or a new ``DynamicCache``.
+    """
     if static is not None:
         if keys:  # the prefix was written in place: record its length
             for layer in static.layers:
@@ -195,14 +235,15 @@ def resolve_cache(
     if prefill_tokens not in (None, "auto") or cache == "static":
         check_full_attention(model)
     layer = other_cache_layer(model)
-    for key, value in (("cache", cache), ("prefill_tokens", prefill_tokens)):
-        if value == "auto" and layer:
-            fallback = "dynamic" if key == "cache" else "one pass"
-            rank_zero_info(f"model.engine.init_args.{key}=auto: {fallback} (a {layer} layer)")
     kind = ("dynamic" if layer else "static") if cache == "auto" else cache
-    if prefill_tokens == "auto":
-        return kind, None if layer else AUTO_PREFILL_TOKENS
-    return kind, prefill_tokens
+    auto_budget = None if layer else AUTO_PREFILL_TOKENS
+    budget = auto_budget if prefill_tokens == "auto" else prefill_tokens
+    why = f"a {layer} layer" if layer else ""
+    note("model.engine.init_args.cache", kind, why if cache == "auto" else "", str(cache))
+    pieces = "one pass" if budget is None else str(budget)
+    why = why if prefill_tokens == "auto" else ""
+    note("model.engine.init_args.prefill_tokens", pieces, why, str(prefill_tokens))
+    return kind, budget
 
 
 def check_full_attention(model: torch.nn.Module) -> None:

@@ -47,13 +47,7 @@ def sample_turns(
         One :class:`TurnSample` per request, in order.
     """
     device = model.device
-    width = max(len(r.context) for r in requests)
-    ids = torch.full((len(requests), width), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((len(requests), width), dtype=torch.int64)
-    for b, request in enumerate(requests):
-        ids[b, width - len(request.context) :] = torch.tensor(request.context)
-        mask[b, width - len(request.context) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = _left_padded(requests, pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     process = LogitsProcessorList() if greedy else warpers(sampling)
     generators = [torch.Generator().manual_seed(r.seed) for r in requests]
@@ -83,14 +77,59 @@ def sample_turns(
         step = torch.tensor(picked, dtype=torch.int64, device=device)[:, None]
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
         positions = positions[:, -1:] + 1
-        keyword = cache_keyword(model)
-        kwargs = {keyword: out[keyword]}  # the output names the cache as the input does
-        out = model(
-            input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-        )
+        out = _decode_step(model, out, step, mask, positions)
     return [
         TurnSample(tuple(t), tuple(p), e) for t, p, e in zip(tokens, logprobs, ended, strict=True)
     ]
+
+
+def _left_padded(
+    requests: Sequence[TurnRequest], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' contexts as a left-padded batch on ``device``.
+
+    Args:
+        requests: the contexts (at least one).
+        pad_token_id: fills the left padding.
+        device: where the batch goes (the model's device).
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``int64[B, W]`` with ``W`` the longest context;
+        the mask is 1 on context tokens.
+    """
+    width = max(len(r.context) for r in requests)
+    ids = torch.full((len(requests), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(requests), width), dtype=torch.int64)
+    for b, request in enumerate(requests):
+        ids[b, width - len(request.context) :] = torch.tensor(request.context)
+        mask[b, width - len(request.context) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _decode_step(
+    model: transformers.PreTrainedModel,
+    out: transformers.modeling_outputs.CausalLMOutputWithPast,
+    step: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+) -> transformers.modeling_outputs.CausalLMOutputWithPast:
+    """One decoding forward of the tokens just picked, over the KV cache ``out`` holds.
+
+    Args:
+        model: the causal LM.
+        out: the previous forward's output (its cache is extended in place).
+        step: the picked tokens, ``int64[B, 1]``.
+        mask: the attention mask including ``step``, ``int64[B, T + 1]``.
+        positions: the position ids of ``step``, ``int64[B, 1]``.
+
+    Returns:
+        The model's output for ``step``.
+    """
+    keyword = cache_keyword(model)
+    kwargs = {keyword: out[keyword]}  # the output names the cache as the input does
+    return model(
+        input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+    )
 
 
 def continue_turns(

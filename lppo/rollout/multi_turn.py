@@ -29,6 +29,7 @@ from lppo.envs.base import Environment, Episode, Observation, Turn
 from lppo.init_args import RecordsInitArgs
 from lppo.reports import EpisodeReport
 from lppo.rollout.base import GenerationOutput, RolloutEngine, RolloutSettings
+from lppo.rollout.capabilities import EngineCapabilities
 from lppo.rollout.source import derive_seed
 from lppo.rollout.turns import TurnEngine, TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
@@ -93,6 +94,10 @@ class MultiTurnEngine(RecordsInitArgs):
         self.max_tokens = max_tokens
         self.sampling = RolloutSettings()
         self._tokenizer: Any = None
+
+    def capabilities(self) -> EngineCapabilities:
+        """Its rows are bounded by ``max_tokens``, prompt and every turn included."""
+        return EngineCapabilities(max_row_tokens=self.max_tokens)
 
     @property
     def weights_version(self) -> int:

@@ -32,6 +32,7 @@ from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.errors import IterationError
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.rollout.base import RolloutEngine, RolloutSettings
+from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.jobs import GeneratedRollout, RolloutJob, Weights, snapshot
 from lppo.rollout.process_runner import ProcessRunner
 from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
@@ -246,10 +247,11 @@ def default_runner(staleness: int, engine: RolloutEngine) -> RolloutRunner:
     """The runner of ``model.runner: null``.
 
     The trainer at ``s = 0``; else a thread when the engine generates in processes of its own
-    (``generates_elsewhere``, e.g. Ray rollout workers), a background process otherwise.
+    (its capabilities' ``generates_elsewhere``: Ray rollout workers), a background process
+    otherwise.
     """
     if staleness == 0:
         return InlineRunner()
-    if getattr(engine, "generates_elsewhere", False):
+    if capabilities_of(engine).generates_elsewhere:
         return ThreadRunner()
     return ProcessRunner()

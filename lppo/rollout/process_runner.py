@@ -17,19 +17,18 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import RolloutEngine
 from lppo.rollout.jobs import GeneratedRollout, GenerationWorker, RolloutJob
-from lppo.rollout.runners import RUNNER_KEY, RolloutProcessError
+from lppo.rollout.runners import CLOSE_TIMEOUT_S, RUNNER_KEY, BackgroundRunner, RolloutProcessError
 from lppo.rollout.source import RolloutSource
 from lppo.validation import check_number
 
 
-class ProcessRunner(RecordsInitArgs):
+class ProcessRunner(BackgroundRunner):
     """Generates jobs in one background process that lppo starts and stops itself.
 
     The process holds its own copy of the policy and of the engine; each job's weights reach
@@ -45,9 +44,9 @@ class ProcessRunner(RecordsInitArgs):
             policy, set the engine up).
         max_restarts: times a dead process is replaced over the run (its unfinished jobs are
             generated again, from the same weights and seeds) before the run fails.
+        close_timeout_s: longest wait, at close, for the running job (and then for the killed
+            process to be reaped; :class:`~lppo.rollout.runners.BackgroundRunner`).
     """
-
-    live_weights: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -55,11 +54,13 @@ class ProcessRunner(RecordsInitArgs):
         timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         max_restarts: int = 1,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
         check_number(f"{RUNNER_KEY}.num_threads", num_threads, integer=True, low=1, optional=True)
         check_number(f"{RUNNER_KEY}.timeout_s", timeout_s, low=0, low_open=True)
         check_number(f"{RUNNER_KEY}.start_timeout_s", start_timeout_s, low=0, low_open=True)
         check_number(f"{RUNNER_KEY}.max_restarts", max_restarts, integer=True, low=0)
+        super().__init__(close_timeout_s)
         self.num_threads = num_threads
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -70,6 +71,7 @@ class ProcessRunner(RecordsInitArgs):
         self._engine: RolloutEngine | None = None
         self._inbox: Any = None
         self._outbox: Any = None
+        self._stopping: Any = None  # the process's stop flag (a multiprocessing Event)
         self._inflight: list[RolloutJob] = []
         #: Jobs the queue could not send (by iteration): their waits fail at once.
         self._unsent: dict[int, str] = {}
@@ -83,6 +85,7 @@ class ProcessRunner(RecordsInitArgs):
         crowded = oversubscription(trainer, self.num_threads or trainer, _cores())
         if crowded:
             warnings.warn(crowded, RuntimeWarning, stacklevel=2)
+        self._admitting = True
         self._spawn()
 
     def _spawn(self) -> None:
@@ -96,7 +99,7 @@ class ProcessRunner(RecordsInitArgs):
         # spawn, not fork: forking a trainer that runs threads (Ray, gloo, torch's pool) is
         # not safe.
         ctx = torch.multiprocessing.get_context("spawn")
-        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self._inbox, self._outbox, self._stopping = ctx.Queue(), ctx.Queue(), ctx.Event()
         self._early = []  # the old process's answers: its unfinished jobs are sent again
         # A job is pickled (its weights moved to shared memory) in the queue's feeder thread,
         # which by default prints a failure and drops the job: record it, so the wait for
@@ -104,7 +107,10 @@ class ProcessRunner(RecordsInitArgs):
         # concurrent.futures overrides too).
         self._inbox._on_queue_feeder_error = self._send_failed
         self.process = ctx.Process(
-            target=_serve, args=(spec, self._inbox, self._outbox), name="lppo-rollout", daemon=True
+            target=_serve,
+            args=(spec, self._inbox, self._outbox, self._stopping),
+            name="lppo-rollout",
+            daemon=True,
         )
         self.process.start()
         del policy, spec
@@ -133,7 +139,7 @@ class ProcessRunner(RecordsInitArgs):
             "--shm-size), or use model.runner: lppo.rollout.InlineRunner."
         )
 
-    def submit(self, job: RolloutJob) -> None:
+    def _send(self, job: RolloutJob) -> None:
         """Send ``job`` to the process (its weights travel through shared memory)."""
         self._inflight.append(job)
         self._inbox.put(job)
@@ -200,19 +206,24 @@ class ProcessRunner(RecordsInitArgs):
                     f"too slow: raise {RUNNER_KEY}.{key}, or lower the rollout size."
                 )
 
-    def close(self) -> None:
-        """Ask the process to stop, then kill it if it does not; idempotent."""
+    def _running(self) -> bool:
+        return self.process is not None
+
+    def _stop(self) -> None:
+        self._stopping.set()
+        if self.process.is_alive():
+            self._inbox.put(None)  # wakes a process that waits for a job
+
+    def _join(self, timeout: float) -> None:
+        self.process.join(timeout=timeout)
+
+    def _kill(self) -> None:
         process, self.process = self.process, None
-        if process is None:
-            return
-        if process.is_alive():
-            self._inbox.put(None)
-            process.join(timeout=10)
         if process.is_alive():
             process.kill()
-            process.join(timeout=10)
+            process.join(timeout=self.close_timeout_s)  # SIGKILL: only the reaping is waited
         for q in (self._inbox, self._outbox):
-            q.cancel_join_thread()
+            q.cancel_join_thread()  # jobs not yet sent are dropped, not flushed
             q.close()
 
 
@@ -258,8 +269,11 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="lppo-rollout-parent", daemon=True).start()
 
 
-def _serve(spec: tuple[Any, ...], inbox: Any, outbox: Any) -> None:
-    """The background rollout process: set up once, then generate the jobs in order."""
+def _serve(spec: tuple[Any, ...], inbox: Any, outbox: Any, stopping: Any) -> None:
+    """The background rollout process: set up once, then generate the jobs in order.
+
+    Once ``stopping`` is set it starts no further job (those queued are dropped) and exits.
+    """
     _exit_with_parent()
     try:
         engine, policy, tokenizer, settings, task, threads = spec
@@ -272,7 +286,9 @@ def _serve(spec: tuple[Any, ...], inbox: Any, outbox: Any) -> None:
     while True:
         clock = time.monotonic()
         job = inbox.get()
-        if job is None:
+        if job is None or stopping.is_set():
+            # Nobody reads an answer after close: exit without flushing one into the pipe.
+            outbox.cancel_join_thread()
             return
         idle = time.monotonic() - clock
         try:

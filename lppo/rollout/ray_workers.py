@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -56,6 +56,7 @@ from lppo.rollout.base import (
     RowJob,
     concat_outputs,
 )
+from lppo.rollout.capabilities import EngineCapabilities, capabilities_of
 from lppo.rollout.hf import HFGenerateEngine
 from lppo.rollout.source import derive_seed
 from lppo.tasks.base import Prompt
@@ -118,8 +119,8 @@ def _parts(blocks: list[PromptBlock], num_workers: int) -> list[_Part]:
 class RayWorkersEngine(RecordsInitArgs):
     """A :class:`~lppo.rollout.RolloutEngine` whose samples come from N Ray actor workers.
 
-    Asynchronous rollouts drive a second copy of it from a thread (``generates_elsewhere``):
-    the thread only waits for the workers.
+    Asynchronous rollouts drive a second copy of it from a thread (its capabilities say it
+    ``generates_elsewhere``): the thread only waits for the workers.
 
     Args:
         num_workers: rollout worker actors (one logical Ray CPU each).
@@ -128,8 +129,6 @@ class RayWorkersEngine(RecordsInitArgs):
         timeout_s: longest wait for any worker call (start, weight load, one part).
         max_restarts: worker replacements per ``generate`` call before a part is dropped.
     """
-
-    generates_elsewhere: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -192,6 +191,11 @@ class RayWorkersEngine(RecordsInitArgs):
         self._weights = ray_module().put(_state(policy))
         self.weights_version = version
         self._load_all()
+
+    def capabilities(self) -> EngineCapabilities:
+        """Generation in the workers; restarts counted; the workers' engine bounds the rows."""
+        bound = capabilities_of(self.engine).max_row_tokens
+        return EngineCapabilities(True, take_restarts=self.take_restarts, max_row_tokens=bound)
 
     def take_restarts(self) -> int:
         """Workers replaced since the last call (the rollout source logs them per iteration)."""

@@ -204,34 +204,58 @@ def score(
             f"{name} raised {type(error).__name__}: {error} "
             f"({_locate_failure(task, answered, completions, limit)})"
         ) from error
-    if getattr(rewards, "ndim", None) == 1:  # a 1-D torch tensor or numpy array
-        rewards = rewards.tolist()  # type: ignore[union-attr]
-    if isinstance(rewards, str | bytes) or not isinstance(rewards, Sequence | list):
-        raise RewardError(
-            f"{name} returned {type(rewards).__name__} for a batch of {len(output)} samples "
-            f"(first prompt {_text(answered, 0)!r}); return one float per sample."
-        )
-    if len(rewards) != len(output):
-        raise RewardError(
-            f"{name} returned {len(rewards)} rewards for {len(output)} samples (first prompt "
-            f"{_text(answered, 0)!r}); return one float per sample, in order."
-        )
-    values = []
-    for j, (reward, prompt) in enumerate(zip(rewards, answered, strict=True)):
-        value = _as_float(reward)
-        if value is None:
-            raise RewardError(
-                f"{name} returned {type(reward).__name__} {_short_repr(reward)} for sample "
-                f"{j + 1} of {len(output)} (prompt {prompt.text!r}, completion "
-                f"{completions[j]!r}); return a float (a finite one, or inf / nan to make "
-                "the row invalid)."
-            )
-        values.append(value)
+    values = _checked_values(name, rewards, answered, completions, len(output))
     if output.turn_rewards is not None:  # the episode's return: its turns' rewards too
         values = [
             v + float(t.double().sum()) for v, t in zip(values, output.turn_rewards, strict=True)
         ]
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _checked_values(
+    name: str, rewards: list[float], answered: Sequence[Prompt], completions: list[str], n: int
+) -> list[float]:
+    """``rewards`` as one float per sample, or a :class:`RewardError` naming what is wrong.
+
+    Args:
+        name: the reward function, for messages (``"MathTask.rewards"``).
+        rewards: what the reward function returned for the batch (checked here: user code
+            may return anything).
+        answered: each sample's prompt.
+        completions: each sample's completion.
+        n: the number of samples in the batch.
+
+    Returns:
+        One float per sample, in order.
+
+    Raises:
+        RewardError: ``rewards`` is not a sequence (or 1-D array) of one real number per
+            sample.
+    """
+    if getattr(rewards, "ndim", None) == 1:  # a 1-D torch tensor or numpy array
+        rewards = rewards.tolist()  # type: ignore[union-attr]
+    if isinstance(rewards, str | bytes) or not isinstance(rewards, Sequence | list):
+        raise RewardError(
+            f"{name} returned {type(rewards).__name__} for a batch of {n} samples "
+            f"(first prompt {_text(answered, 0)!r}); return one float per sample."
+        )
+    if len(rewards) != n:
+        raise RewardError(
+            f"{name} returned {len(rewards)} rewards for {n} samples (first prompt "
+            f"{_text(answered, 0)!r}); return one float per sample, in order."
+        )
+    values: list[float] = []
+    for j, (reward, prompt) in enumerate(zip(rewards, answered, strict=True)):
+        value = _as_float(reward)
+        if value is None:
+            raise RewardError(
+                f"{name} returned {type(reward).__name__} {_short_repr(reward)} for sample "
+                f"{j + 1} of {n} (prompt {prompt.text!r}, completion "
+                f"{completions[j]!r}); return a float (a finite one, or inf / nan to make "
+                "the row invalid)."
+            )
+        values.append(value)
+    return values
 
 
 def _text(prompts: Sequence[Prompt], j: int) -> str | None:

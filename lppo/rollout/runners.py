@@ -25,6 +25,9 @@ from lppo.validation import check_number
 #: The settings group of every runner (named in error messages).
 RUNNER_KEY = "model.runner.init_args"
 
+#: Default ``close_timeout_s`` of the runners that generate outside the trainer's call.
+CLOSE_TIMEOUT_S = 10.0
+
 
 class RolloutProcessError(RuntimeError):
     """The background rollout process died, failed to start, or a wait for it ran out."""
@@ -59,7 +62,11 @@ class RolloutRunner(Protocol):
         ...
 
     def close(self) -> None:
-        """Stop whatever the runner started; idempotent."""
+        """Stop whatever the runner started, in bounded time; idempotent.
+
+        Jobs queued but not started are dropped, not generated (the scheduler's checkpoint
+        keeps them for a resume); :class:`BackgroundRunner` is the shape of it.
+        """
         ...
 
 
@@ -104,7 +111,80 @@ class InlineRunner(RecordsInitArgs):
         self.worker = None
 
 
-class ThreadRunner(RecordsInitArgs):
+class BackgroundRunner(RecordsInitArgs):
+    """A runner whose jobs are generated outside the trainer's call: its close, shared.
+
+    :class:`ThreadRunner` and :class:`~lppo.rollout.process_runner.ProcessRunner` close the
+    same way, in three steps: 1. stop admitting: :meth:`submit` refuses new jobs and the
+    generator starts none of the queued ones (they are dropped, not generated; the
+    scheduler's checkpoint keeps them for a resume); 2. wait at most ``close_timeout_s`` for
+    the job it is running; 3. kill what still runs (a process) or abandon it (a thread, whose
+    engine copy is closed under it), and let go of the queues.
+
+    Args:
+        close_timeout_s: longest wait, at close, for the job being generated (and for a
+            killed process to be reaped); 0 kills at once.
+    """
+
+    live_weights: ClassVar[bool] = False
+    #: Closing does not shape the rows, so a resumed run may change it.
+    resume_safe: ClassVar[tuple[str, ...]] = ("close_timeout_s",)
+
+    def __init__(self, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        check_number(
+            f"{RUNNER_KEY}.close_timeout_s",
+            close_timeout_s,
+            low=0,
+            fix=f"It bounds the wait for the running job at close ({CLOSE_TIMEOUT_S:g} s by "
+            "default; 0 kills it at once).",
+        )
+        self.close_timeout_s = close_timeout_s
+        self._admitting = False
+
+    def submit(self, job: RolloutJob) -> None:
+        """Queue ``job`` for the generator.
+
+        Raises:
+            RolloutProcessError: the runner was closed (or never started).
+        """
+        if not self._admitting:
+            raise RolloutProcessError(
+                f"iteration {job.iteration + 1}'s job was submitted to a {type(self).__name__} "
+                "that is closed or not started; start it (RolloutPipeline does) before submit."
+            )
+        self._send(job)
+
+    def close(self) -> None:
+        """Stop admitting, wait (``close_timeout_s``) for the running job, kill; idempotent."""
+        self._admitting = False
+        if not self._running():
+            return
+        self._stop()
+        self._join(self.close_timeout_s)
+        self._kill()
+
+    def _send(self, job: RolloutJob) -> None:
+        """Hand ``job`` to the generator."""
+        raise NotImplementedError
+
+    def _running(self) -> bool:
+        """Whether a generator was started and not yet killed."""
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        """Tell the generator to start no further job, and wake it if it waits for one."""
+        raise NotImplementedError
+
+    def _join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the generator to end."""
+        raise NotImplementedError
+
+    def _kill(self) -> None:
+        """Kill or abandon what still runs; let go of the queues and the engine copy."""
+        raise NotImplementedError
+
+
+class ThreadRunner(BackgroundRunner):
     """Generates jobs in a thread of the trainer, with a second copy of the engine.
 
     For engines whose work runs in processes of their own (``RayWorkersEngine``): the thread
@@ -113,15 +193,17 @@ class ThreadRunner(RecordsInitArgs):
 
     Args:
         timeout_s: longest wait for one rollout.
+        close_timeout_s: longest wait, at close, for the running job; then the engine copy is
+            closed (its workers killed) and the thread abandoned (:class:`BackgroundRunner`).
     """
 
-    live_weights: ClassVar[bool] = False
-
-    def __init__(self, timeout_s: float = 600.0) -> None:
+    def __init__(self, timeout_s: float = 600.0, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         check_number(f"{RUNNER_KEY}.timeout_s", timeout_s, low=0, low_open=True)
+        super().__init__(close_timeout_s)
         self.timeout_s = timeout_s
         self.worker: GenerationWorker | None = None
         self.thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._jobs: queue.Queue[RolloutJob | None] = queue.Queue()
         self._results: queue.Queue[GeneratedRollout] = queue.Queue()
 
@@ -134,27 +216,14 @@ class ThreadRunner(RecordsInitArgs):
             settings=source.settings,
             task=source.task,
         )
-        self.thread = threading.Thread(target=self._serve, name="lppo-rollout", daemon=True)
+        # Fresh ones per start: a thread abandoned by an earlier close keeps its own.
+        self._stopping, self._jobs, self._results = threading.Event(), queue.Queue(), queue.Queue()
+        args = (self.worker, self._stopping, self._jobs, self._results)
+        self.thread = threading.Thread(target=_serve, args=args, name="lppo-rollout", daemon=True)
         self.thread.start()
+        self._admitting = True
 
-    def _serve(self) -> None:
-        assert self.worker is not None
-        while True:
-            clock = time.monotonic()
-            job = self._jobs.get()
-            if job is None:
-                return
-            idle = time.monotonic() - clock
-            try:
-                generated = self.worker.run(job)
-                generated.idle_seconds = idle
-            except Exception as error:
-                cause = f"{type(error).__name__}: {error}"
-                generated = GeneratedRollout(job.iteration, None, cause)
-            self._results.put(generated)
-
-    def submit(self, job: RolloutJob) -> None:
-        """Queue ``job`` for the thread."""
+    def _send(self, job: RolloutJob) -> None:
         self._jobs.put(job)
 
     def result(self, job: RolloutJob) -> GeneratedRollout:
@@ -173,12 +242,43 @@ class ThreadRunner(RecordsInitArgs):
             )
         return generated
 
-    def close(self) -> None:
-        """Stop the thread and what the engine copy started; idempotent."""
-        thread, self.thread = self.thread, None
-        if thread is not None:
-            self._jobs.put(None)
-            thread.join(timeout=self.timeout_s)
-        if self.worker is not None:
-            self.worker.engine.close()
-            self.worker = None
+    def _running(self) -> bool:
+        return self.thread is not None
+
+    def _stop(self) -> None:
+        self._stopping.set()
+        self._jobs.put(None)  # wakes a thread that waits for a job
+
+    def _join(self, timeout: float) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout=timeout)
+
+    def _kill(self) -> None:
+        # A thread cannot be killed: closing the engine copy (its Ray workers) fails the job
+        # it still runs, after which it sees the stop and ends; until then it is abandoned.
+        self.thread = None
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.engine.close()
+
+
+def _serve(
+    worker: GenerationWorker,
+    stopping: threading.Event,
+    jobs: queue.Queue[RolloutJob | None],
+    results: queue.Queue[GeneratedRollout],
+) -> None:
+    """The rollout thread: generate the queued jobs in order until told to stop."""
+    while True:
+        clock = time.monotonic()
+        job = jobs.get()
+        if job is None or stopping.is_set():  # queued jobs are dropped at close
+            return
+        idle = time.monotonic() - clock
+        try:
+            generated = worker.run(job)
+            generated.idle_seconds = idle
+        except Exception as error:
+            cause = f"{type(error).__name__}: {error}"
+            generated = GeneratedRollout(job.iteration, None, cause)
+        results.put(generated)

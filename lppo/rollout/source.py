@@ -34,6 +34,7 @@ from lppo.rollout.base import (
     RowJob,
     StoreWritingEngine,
 )
+from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.evaluation import EvalSamples, undisturbed
 from lppo.rollout.jobs import RolloutJob, generate_blocks
 from lppo.rollout.reward_call import RewardError, score
@@ -235,7 +236,7 @@ class RolloutSource:
 
     def _worker_restarts(self) -> int | None:
         """Workers the engine replaced since the last rollout (``None``: it has no workers)."""
-        take = getattr(self.engine, "take_restarts", None)  # engines with rollout workers
+        take = capabilities_of(self.engine).take_restarts  # engines with rollout workers
         return None if take is None else int(take())
 
     def put(self, rollout: Rollout, iteration: int) -> Rollout | StoredRollout:

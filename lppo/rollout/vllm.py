@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from lppo.init_args import RecordsInitArgs
-from lppo.layouts.fsdp import whole_state_dict
+from lppo.parallel import layout_of
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.encoding import encode_prompt
 from lppo.rollout.turns import TurnRequest, TurnSample
@@ -195,14 +195,15 @@ class VLLMEngine(RecordsInitArgs):
     def sync_from(self, policy: torch.nn.Module, version: int) -> None:
         """Load ``policy``'s weights into the running engine and drop its prefix cache.
 
-        Under ``ppo_fsdp`` the policy holds shards: each is gathered whole first
-        (:func:`~lppo.layouts.fsdp.whole_state_dict`, a collective: every rank syncs at the
-        same point, as lppo's rollout source does after every actor phase).
+        The state dict is taken whole through the layout holding the policy
+        (:func:`~lppo.parallel.layout_of`): under ``ppo_fsdp`` the policy holds shards, each
+        gathered whole first (a collective: every rank syncs at the same point, as lppo's
+        rollout source does after every actor phase).
         """
         if self.llm is None or self._dir is None:
             raise RuntimeError("VLLMEngine.sync_from before setup().")
         clock = time.perf_counter()
-        state = whole_state_dict(policy)
+        state = layout_of(policy).full_state_dict(policy)
         if self.sync == "memory":
             weights = [(n, t.detach()) for n, t in state.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -55,6 +55,7 @@ class MegatronActor(MegatronLifecycle, ActorModule):
             spec.hf, spec.tensor_parallel_size, spec.distributed_optimizer, spec.bucket_size
         )
         fresh.key = spec.key
+        fresh.context = spec.context  # the same groups (the layout handed them to the actor's)
         held = (self.model, self.optimizer, self.scheduler, self.__dict__["_lppo_parallel"])
         memo: dict[int, Any] = {id(obj): None for obj in held if obj is not None}
         memo.update({id(spec): fresh, id(self._rollout): []})

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from lppo.layouts.megatron import MegatronLayout
 from lppo.modules.lifecycle import ChunkResult
 from lppo.modules.megatron.full_state import install_optimizer_hooks
-from lppo.parallel import ParallelContext, default_world
+from lppo.parallel import ParallelContext
 from lppo.types import Chunk
 from lppo.validation import SettingError
 
@@ -115,18 +114,20 @@ class MegatronLifecycle:
     # --------------------------------------------------------- parallel groups
     @property
     def parallel(self) -> ParallelContext:
-        """The groups a controller handed over, or megatron-core's own (``ppo_megatron``'s)."""
+        """The groups a controller handed over, or the spec's (``ppo_megatron``'s, megatron's).
+
+        Raises:
+            RuntimeError: read before the model was built (the spec holds no groups yet).
+        """
         ctx: ParallelContext | None = self.__dict__["_lppo_parallel"]
-        if ctx is None:
-            return MegatronLayout().context(*default_world())
-        return ctx
+        return self._own_groups() if ctx is None else ctx
 
     @parallel.setter
     def parallel(self, ctx: ParallelContext) -> None:
         """Take the controller's groups (at setup): ``ppo_megatron``'s, of megatron's sizes.
 
         The first assignment is :class:`~lppo.modules.PPOModule`'s placeholder, made before
-        the model exists; until a controller hands groups over, the module uses megatron's.
+        the model exists; until a controller hands groups over, the module uses its spec's.
 
         Raises:
             SettingError: another layout (megatron's DDP reduces this module's gradients), or
@@ -135,14 +136,14 @@ class MegatronLifecycle:
         if "_lppo_parallel" not in self.__dict__:
             self.__dict__["_lppo_parallel"] = None
             return
-        if not isinstance(ctx.layout, MegatronLayout):
+        own = self._own_groups()
+        if not isinstance(ctx.layout, type(own.layout)):
             raise SettingError(
                 f"model.{self.role} is a megatron-core module ({type(self).__name__}) but "
                 f"trainer.strategy lays the run out with {type(ctx.layout).__name__}; set "
                 "trainer.strategy=ppo_megatron (megatron's data x tensor-parallel groups and "
                 "its gradient reduce), with any trainer.devices."
             )
-        own = MegatronLayout().context(*default_world())
         if (ctx.data.size, ctx.tensor.size) != (own.data.size, own.tensor.size):
             raise SettingError(
                 f"{self.spec.key}={self.spec.tensor_parallel_size}: lppo trains over "
@@ -152,6 +153,13 @@ class MegatronLifecycle:
                 "groups from lppo.strategy.parallel_context (as lppo fit does)."
             )
         self.__dict__["_lppo_parallel"] = ctx
+
+    def _own_groups(self) -> ParallelContext:
+        """The groups the spec built the model over (megatron's, with ``ppo_megatron``'s layout)."""
+        ctx: ParallelContext | None = self.spec.context
+        if ctx is None:
+            raise RuntimeError(f"{self.role}: megatron model not built: call configure_model().")
+        return ctx
 
     def _use_megatron_optimizer(self) -> bool:
         return bool(self.spec.distributed_optimizer)

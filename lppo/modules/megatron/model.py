@@ -16,6 +16,7 @@ import torch
 import transformers
 from torch import nn
 
+from lppo.layouts.megatron import MegatronLayout
 from lppo.models import HFCausalLM
 from lppo.modules.megatron.convert import (
     AttentionShape,
@@ -26,7 +27,7 @@ from lppo.modules.megatron.convert import (
     unshard,
 )
 from lppo.modules.megatron.full_state import install_model_hooks
-from lppo.parallel import ParallelContext, ProcessGroup, megatron_context
+from lppo.parallel import ParallelContext, ProcessGroup
 from lppo.validation import check_number
 
 _EXTRA = (
@@ -110,7 +111,9 @@ class MegatronGPT:
         )
         self.bucket_size = bucket_size
         self.hf_config: transformers.PretrainedConfig | None = None
-        self.context = ParallelContext()
+        #: The groups the model is built over: handed over by ``ppo_megatron``'s layout before
+        #: the run builds its models, else megatron's own, taken at :meth:`build`.
+        self.context: ParallelContext | None = None
         self.key = "tensor_parallel_size"  # its config key, named in messages (validate)
 
     # ------------------------------------------------------------------ build
@@ -155,7 +158,8 @@ class MegatronGPT:
             ``megatron.core.distributed.DistributedDataParallel`` around the GPTModel; its
             forward returns ``[B, T, V / tp]`` logits (or ``[B, T, 1]`` values).
         """
-        self.context = megatron_context(self.tensor_parallel_size, self.key)
+        if self.context is None:  # built outside lppo's strategy (a script, a test)
+            self.context = MegatronLayout().groups(self.tensor_parallel_size, self.key)
         if torch.cuda.is_available():
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

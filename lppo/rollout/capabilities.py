@@ -1,0 +1,62 @@
+"""What a rollout engine offers beyond :class:`~lppo.rollout.RolloutEngine`: one typed record.
+
+The run plan (:mod:`lppo.run_plan`) and the rollout source read an engine's optional abilities
+only through :func:`capabilities_of`, never by probing attribute names: an engine states them
+in :meth:`CapableEngine.capabilities`, and an engine that implements only the protocol
+(a user's own) offers none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["CapableEngine", "EngineCapabilities", "capabilities_of"]
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """An engine's optional abilities (the defaults: none).
+
+    Attributes:
+        generates_elsewhere: generation runs in processes of the engine's own (Ray rollout
+            workers), so an asynchronous run drives a copy of it from a thread, not from a
+            background process.
+        policy_logprob_obstacles: ``(policy, dtype) -> reasons``: why the engine's log-probs
+            of π at the sampled tokens would not be the actor's π_old when ``policy`` (the
+            module the engine samples from) computes in ``dtype`` (``None``: its own dtype);
+            an empty list: they are, to round-off. ``None``: the engine cannot give them.
+        enable_policy_logprobs: from now on fill ``GenerationOutput.policy_logprobs`` (the
+            run plan calls it when it picks ``model.ppo.old_logprobs: engine``).
+        take_restarts: ``() -> int``: rollout workers replaced since the last call (``None``:
+            the engine has no workers).
+        max_row_tokens: the longest row the engine can put, prompt included (``None``: the
+            task's longest prompt, one separator and ``model.rollout.max_new_tokens``).
+    """
+
+    generates_elsewhere: bool = False
+    policy_logprob_obstacles: Callable[[torch.nn.Module, torch.dtype | None], list[str]] | None = (
+        None
+    )
+    enable_policy_logprobs: Callable[[], None] | None = None
+    take_restarts: Callable[[], int] | None = None
+    max_row_tokens: int | None = None
+
+
+@runtime_checkable
+class CapableEngine(Protocol):
+    """An engine that declares its :class:`EngineCapabilities`."""
+
+    def capabilities(self) -> EngineCapabilities:
+        """This engine's optional abilities (read at setup by the run plan)."""
+        ...
+
+
+def capabilities_of(engine: object) -> EngineCapabilities:
+    """``engine``'s declared abilities; none for an engine that declares nothing."""
+    if isinstance(engine, CapableEngine):
+        return engine.capabilities()
+    return EngineCapabilities()

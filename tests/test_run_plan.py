@@ -1,0 +1,135 @@
+"""The run plan: every ``auto`` decided once, logged as one block, saved, compared on resume."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from test_old_logprobs import spec
+
+from lppo import PPOTrainer
+from lppo.config import PPOConfig
+from lppo.data import ReplayDataModule
+from lppo.decisions import Decision, collecting, note
+from lppo.estimators import GAE, GRPO
+from lppo.modules import ActorModule, CriticModule
+from lppo.parallel import ParallelContext
+from lppo.rollout import HFGenerateEngine, RolloutSettings
+from lppo.run_plan import PLAN_KEY, RunParts, RunPlan, plan_changes
+from lppo.system import PPOSystem
+from lppo.tasks import CopyTask
+from lppo.tokenizer import build_char_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parts(precision: str = "32-true", **ppo: object) -> RunParts:
+    tok = build_char_tokenizer(CopyTask().vocabulary())
+    actor = ActorModule(spec(0))
+    actor.configure_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    return RunParts(
+        actor=actor,
+        critic=None,
+        reference=None,
+        reward_model=None,
+        engine=HFGenerateEngine(),
+        estimator=GRPO(),
+        ppo=PPOConfig(**ppo),  # type: ignore[arg-type]
+        rollout=RolloutSettings(),
+        data=ReplayDataModule().settings,
+        runner=None,
+        parallel=ParallelContext(),
+        precision=precision,
+    )
+
+
+def test_every_auto_is_decided_with_its_reason() -> None:
+    with collecting() as decisions:
+        plan = RunPlan.resolve(parts(actor_minibatches=2))
+    values = {d.key: d.value for d in decisions}
+    assert plan.ppo.old_logprobs == values["model.ppo.old_logprobs"] == "engine"
+    assert values["model.ppo.old_values"] == "score"
+    assert values["model.runner"] == "InlineRunner" == type(plan.runner).__name__
+    assert values["model.actor.init_args.off_policy.mode"] == "none"
+    assert values["data.max_tokens_per_score_chunk"] == str(plan.score_chunk_tokens) == "16384"
+    assert "auto" not in values.values()
+
+
+def test_a_float64_run_takes_pi_old_from_the_actor_not_the_float32_engine() -> None:
+    """Lightning converts the models after configure_model: the plan decides at 64-true."""
+    with collecting() as decisions:
+        plan = RunPlan.resolve(parts("64-true", actor_minibatches=2))
+    assert plan.ppo.old_logprobs == "recompute"
+    why = next(d.reason for d in decisions if d.key == "model.ppo.old_logprobs")
+    assert "generate rounds the float64 policy's logits to float32" in why
+
+
+def test_the_plan_is_logged_once_saved_and_handed_out(tmp_path, caplog) -> None:
+    system = PPOSystem(
+        actor=ActorModule(spec(0)),
+        critic=CriticModule(spec(1)),
+        estimator=GAE(),
+        task=CopyTask(),
+        rollout=RolloutSettings(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=4),
+        num_threads=1,
+    )
+    trainer = PPOTrainer(max_epochs=1, default_root_dir=str(tmp_path), accelerator="cpu")
+    with caplog.at_level("INFO"):
+        trainer.fit(system, datamodule=ReplayDataModule(max_tokens_per_chunk=64))
+    assert caplog.text.count("lppo run plan") == 1
+    assert "=auto:" not in caplog.text  # no decision logged outside the block
+    assert system.plan is not None and system.controller is not None
+    assert system.controller.config is system.plan.ppo
+    assert system.runner is system.plan.runner
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    import torch
+
+    saved = torch.load(ckpt, weights_only=False)[PLAN_KEY]
+    assert saved == system.plan.state_dict()
+    assert saved["model.ppo.old_values"] == {"setting": "auto", "value": "critic"}
+
+
+def test_resume_refuses_an_auto_that_resolves_otherwise() -> None:
+    plan = RunPlan(PPOConfig(), None, 1, [Decision("model.ppo.old_logprobs", "engine")])  # type: ignore[arg-type]
+    same = {"model.ppo.old_logprobs": {"setting": "auto", "value": "engine"}}
+    assert plan_changes(same, plan) == []
+    other = {"model.ppo.old_logprobs": {"setting": "auto", "value": "actor"}}
+    assert plan_changes(other, plan) == ["model.ppo.old_logprobs: auto was 'actor', now 'engine'"]
+    explicit = {"model.ppo.old_logprobs": {"setting": "actor", "value": "actor"}}
+    assert plan_changes(explicit, plan) == []  # a changed setting: settings_changes judges it
+    assert plan_changes({}, plan) == []  # a checkpoint written before the plan existed
+
+
+def test_a_component_on_its_own_logs_only_its_fallbacks(caplog) -> None:
+    with caplog.at_level("INFO"):
+        note("k.exact", "on")
+        note("k.fallback", "off", "why")
+    assert "k.exact" not in caplog.text
+    assert "k.fallback=auto: off (why)" in caplog.text
+
+
+def _sources(folder: str) -> dict[str, ast.Module]:
+    root = ROOT / folder
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in root.rglob("*.py")}
+
+
+def test_the_controller_reads_no_auto_value() -> None:
+    tree = ast.parse((ROOT / "lppo" / "controller.py").read_text())
+    autos = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "auto"]
+    assert autos == [], f"lppo/controller.py compares with 'auto' at lines {autos}"
+
+
+@pytest.mark.parametrize("folder", ["lppo", "callbacks"])
+def test_no_engine_capability_is_probed_by_name(folder) -> None:
+    """Engine capabilities are one typed record (lppo.rollout.capabilities), never getattr."""
+    found = []
+    for path, tree in _sources(folder).items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id in ("getattr", "hasattr") and node.args:
+                target = ast.unparse(node.args[0])
+                if "engine" in target.lower():
+                    found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
