@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.types import IterationResult
 
 #: Environment variable naming the file :class:`IterationClock` appends to.

@@ -35,19 +35,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import PeakProbe, status_kib
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
 from lppo.estimators import GAE
-from lppo.hooks import IterationContext, IterationResult, PPOCallback
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import IterationContext, IterationResult, PPOCallback
 from lppo.layouts import DataParallelLayout, FSDPLayout
 from lppo.layouts.fsdp import _param_groups, local_part, roots_of
-from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.lora import LoRA
+from lppo.modules.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine
-from lppo.strategy import PPOStrategy
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.strategy import PPOStrategy
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 VARIANTS = ("ddp", "fsdp", "lora_ddp", "lora_fsdp", "fsdp_chunk")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

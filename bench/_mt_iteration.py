@@ -31,15 +31,15 @@ from lppo.callbacks import lifecycle
 
 from lppo.algorithms import ClippedPPO
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.estimators import GAE
-from lppo.models import HFCausalLM
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
-from lppo.reports import EpisodeReport
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout.source import put_samples
+from lppo.run.reports import EpisodeReport
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 from lppo.types import TURN_REWARDS, Rollout
 
 PHASES = ("collect", "score", "advantages", "critic", "actor")

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from _turn_env import FixedTurnsEnvironment
 
-from lppo.models import HFCausalLM
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import MultiTurnEngine, RolloutSettings
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 MODELS = {
     # configs/vllm.yaml's actor: head_dim 32 (vLLM's CPU attention needs >= 32).

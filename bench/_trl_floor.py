@@ -30,8 +30,8 @@ def main() -> None:
     import torch
     import transformers
 
-    from lppo.data_settings import DataSettings
-    from lppo.planner import ChunkPlanner
+    from lppo.iteration.data_settings import DataSettings
+    from lppo.iteration.planner import ChunkPlanner
     from lppo.types import RowMeta
 
     torch.set_num_threads(threads)

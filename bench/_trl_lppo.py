@@ -7,8 +7,9 @@ optional settings are ``chunk_tokens``, ``score_chunk_tokens``, ``old_logprobs``
 generation batches), ``prefill_tokens`` (the engine's prefill piece budget), ``gen_cache``
 (``dynamic`` / ``static``), ``trim_prompt`` (``1`` / ``0``: actor, reference, critic and
 reward model run their last block only from the first response position on, or not,
-:mod:`lppo.tail`; left out: lppo's ``auto``), ``ranks`` (data-parallel processes, ``PPODDPStrategy``
-over gloo, each with ``THREADS / ranks`` intra-op threads; default 1), ``balance_ranks``
+:mod:`lppo.modules.tail`; left out: lppo's ``auto``), ``ranks`` (data-parallel processes,
+``PPODDPStrategy`` over gloo, each with ``THREADS / ranks`` intra-op threads; default 1),
+``balance_ranks``
 (``1`` / ``0``: rows move between those processes to balance their tokens, or not; left out:
 lppo's default, on) and ``profile`` (a path:
 cProfile of the timed iterations is dumped there), ``estimator`` (``gae``, the default: PPO
@@ -87,8 +88,8 @@ def build_system(root: str, n: int, opts: dict[str, str], prompts: list[list[int
     from lppo import PPOSystem
     from lppo.config import PPOConfig
     from lppo.estimators import GAE, GRPO
-    from lppo.models import HFCausalLM
     from lppo.modules import ActorModule, CriticModule, RewardModel
+    from lppo.modules.models import HFCausalLM
     from lppo.rollout import HFGenerateEngine, RolloutSettings
 
     gen_batch = int(opts.get("gen_batch", "0")) or None
@@ -150,8 +151,8 @@ def main() -> None:
     from lightning.pytorch.callbacks import Callback
 
     from lppo import PPOTrainer
-    from lppo.data import ReplayDataModule
-    from lppo.hooks import PPOCallback
+    from lppo.iteration.data import ReplayDataModule
+    from lppo.iteration.hooks import PPOCallback
 
     rows: list[dict[str, float]] = []
     padding: list[dict[str, float]] = []
@@ -217,7 +218,7 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="lppo-bench-")
     parallel = {"devices": 1}
     if ranks > 1:
-        from lppo.strategy import PPODDPStrategy
+        from lppo.runtime.strategy import PPODDPStrategy
 
         parallel = {"devices": ranks, "strategy": PPODDPStrategy()}
     trainer = PPOTrainer(

@@ -18,10 +18,10 @@ import transformers
 from _rows import FIELDS, Row, columns_of
 from torch import nn
 
-from lppo.chunks import collate, iter_chunks
-from lppo.models import HFCausalLM
+from lppo.iteration.chunks import collate, iter_chunks
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import CriticModule
-from lppo.planner import ChunkPlanner
+from lppo.modules.models import HFCausalLM
 from lppo.replay import ReplayStore
 from lppo.types import RETURNS, VALUES, Chunk, RowMeta, StepPlan, StepStats
 

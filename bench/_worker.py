@@ -34,10 +34,10 @@ from _variants import (
 )
 from torch import nn
 
-from lppo.chunks import iter_chunks
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import CriticModule
-from lppo.planner import ChunkPlanner
 from lppo.replay import ReplayStore
 from lppo.types import RowMeta
 

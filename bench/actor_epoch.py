@@ -32,10 +32,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _rows import iter_rows
 from _variants import build_backbone
 
-from lppo.chunks import iter_chunks
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import ActorModule, CriticModule
-from lppo.planner import ChunkPlanner
 from lppo.replay import MemoryReplayStore
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RESPONSE_MASK, RETURNS, VALUES
 

@@ -117,7 +117,7 @@ def fit_command(setting: str, variant: Variant, iterations: int, run: Path) -> l
     return [
         sys.executable,
         "-m",
-        "lppo.cli",
+        "lppo.run.cli",
         "fit",
         f"--config={ROOT / 'configs' / 'tiny.yaml'}",
         *SETTINGS[setting],

@@ -39,17 +39,17 @@ def worker(rows: int, variant: str) -> dict:
     from _memory import PeakProbe, status_kib
 
     from lppo.algorithms import ClippedPPO
-    from lppo.chunks import read_chunk
     from lppo.config import PPOConfig
-    from lppo.data import ReplayDataModule
     from lppo.estimators import GAE
-    from lppo.hooks import PPOCallback
-    from lppo.models import HFCausalLM
+    from lppo.iteration.chunks import read_chunk
+    from lppo.iteration.data import ReplayDataModule
+    from lppo.iteration.hooks import PPOCallback
     from lppo.modules import ActorModule, CriticModule
+    from lppo.modules.models import HFCausalLM
     from lppo.rollout import HFGenerateEngine
-    from lppo.system import PPOSystem, RolloutSettings
+    from lppo.run.system import PPOSystem, RolloutSettings
+    from lppo.run.trainer import PPOTrainer
     from lppo.tasks import CopyTask
-    from lppo.trainer import PPOTrainer
 
     torch.set_num_threads(1)
     spec = dict(

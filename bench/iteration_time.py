@@ -44,7 +44,7 @@ def fit(name: str, extra: list[str], args: argparse.Namespace, run: Path) -> dic
     cmd = [
         sys.executable,
         "-m",
-        "lppo.cli",
+        "lppo.run.cli",
         "fit",
         f"--config={ROOT / 'configs' / 'tiny.yaml'}",
         f"--trainer.max_epochs={args.iterations}",

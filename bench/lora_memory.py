@@ -43,16 +43,16 @@ def worker(variant: str, rank: int) -> dict:
     from _memory import PeakProbe, release_free_heap, status_kib
 
     from lppo.config import PPOConfig
-    from lppo.data import ReplayDataModule
     from lppo.estimators import GRPO
-    from lppo.hooks import PPOCallback
-    from lppo.models import HFCausalLM
+    from lppo.iteration.data import ReplayDataModule
+    from lppo.iteration.hooks import PPOCallback
     from lppo.modules import ActorModule
     from lppo.modules.lora import LoRA
+    from lppo.modules.models import HFCausalLM
     from lppo.rollout import HFGenerateEngine
-    from lppo.system import PPOSystem, RolloutSettings
+    from lppo.run.system import PPOSystem, RolloutSettings
+    from lppo.run.trainer import PPOTrainer
     from lppo.tasks import CopyTask
-    from lppo.trainer import PPOTrainer
 
     torch.set_num_threads(2)
     lora = LoRA(r=rank, alpha=2 * rank) if variant == "lora" else None

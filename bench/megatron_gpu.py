@@ -6,8 +6,8 @@ one). Usage::
     .venv/bin/python bench/megatron_gpu.py                # ~0.47B random Llama, bf16
     .venv/bin/python bench/megatron_gpu.py --hidden 256 --layers 2 --ffn 512 --rows 16   # quick
 
-Model: a random Llama (``lppo.models.HFCausalLM``, default hidden 1024, 24 layers, 16 heads, MLP
-4096, vocab 32000: 0.47B parameters) converted into megatron-core's GPTModel
+Model: a random Llama (``lppo.modules.models.HFCausalLM``, default hidden 1024, 24 layers, 16
+heads, MLP 4096, vocab 32000: 0.47B parameters) converted into megatron-core's GPTModel
 (``lppo.modules.megatron.MegatronGPT``), bf16, megatron's distributed optimizer. Rows: ``--rows``
 random rows of ``--min-len``..``--max-len`` tokens (response = second half). Every variant trains
 one optimizer step over the same rows ("an epoch"), after one untimed warm-up step:
@@ -35,10 +35,10 @@ from collections.abc import Callable
 
 import torch
 
-from lppo.chunks import iter_chunks
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.layouts.megatron import tensor_parallel_grad_norm
-from lppo.planner import ChunkPlanner
 from lppo.replay import MemoryReplayStore
 from lppo.types import (
     ADVANTAGES,
@@ -93,8 +93,8 @@ def make_store(args: argparse.Namespace) -> MemoryReplayStore:
 
 def build(role: str, args: argparse.Namespace):
     """A megatron actor or critic on the GPU (distributed optimizer), built and ready."""
-    from lppo.models import HFCausalLM
     from lppo.modules.megatron import MegatronActor, MegatronCritic, MegatronGPT
+    from lppo.modules.models import HFCausalLM
 
     hf = HFCausalLM(
         architecture="llama",
@@ -126,7 +126,7 @@ def lppo_step(module, store: MemoryReplayStore, budget: int, role: str) -> float
 
 def _micro_batches(store: MemoryReplayStore, args: argparse.Namespace, role: str):
     """Fixed-shape ``[micro_batch, max_len]`` batches of the rows, on the GPU."""
-    from lppo.chunks import read_chunk
+    from lppo.iteration.chunks import read_chunk
 
     ids = list(range(args.rows))
     out = []

@@ -30,9 +30,9 @@ import uuid
 
 import torch
 
-from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.replay import MemoryReplayStore, TransferQueueReplayStore
 from lppo.replay._tq_fields import field, rows_of
+from lppo.runtime.ray_runtime import RaySettings, configure_ray
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARD, VALUES
 
 NAMES = (INPUT_IDS, RESPONSE_MASK, GEN_LOGPROBS, OLD_LOGPROBS, VALUES, REWARD)

@@ -49,7 +49,7 @@ def _engine(name: str):
 
 
 def _policy(model: str, tokenizer):
-    from lppo.models import HFCausalLM
+    from lppo.modules.models import HFCausalLM
 
     spec = HFCausalLM(**MODELS[model], seed=0, max_position_embeddings=256)
     ids = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
@@ -61,9 +61,9 @@ def worker_generate(args: argparse.Namespace) -> dict[str, float]:
 
     import torch
 
+    from lppo.modules.tokenizer import build_char_tokenizer
     from lppo.rollout import RolloutSettings
     from lppo.tasks import CopyTask
-    from lppo.tokenizer import build_char_tokenizer
 
     torch.set_num_threads(args.threads)
     task = CopyTask(min_length=2, max_length=4, alphabet_size=8, transform="first")
@@ -98,13 +98,13 @@ def worker_iteration(args: argparse.Namespace) -> dict[str, float]:
 
     from lppo.algorithms import ClippedPPO, OffPolicyCorrection
     from lppo.config import PPOConfig
-    from lppo.data import ReplayDataModule
-    from lppo.hooks import PPOCallback
-    from lppo.models import HFCausalLM
+    from lppo.iteration.data import ReplayDataModule
+    from lppo.iteration.hooks import PPOCallback
     from lppo.modules import ActorModule, CriticModule
-    from lppo.system import PPOSystem, RolloutSettings
+    from lppo.modules.models import HFCausalLM
+    from lppo.run.system import PPOSystem, RolloutSettings
+    from lppo.run.trainer import PPOTrainer
     from lppo.tasks import CopyTask
-    from lppo.trainer import PPOTrainer
 
     class Timer(PPOCallback):
         def __init__(self) -> None:

@@ -52,10 +52,10 @@ def worker(args: argparse.Namespace) -> dict:
     from _memory import PeakProbe, status_kib
     from _variants import build_backbone, epoch_streamed, make_critic
 
-    from lppo.data_settings import DataSettings
-    from lppo.planner import ChunkPlanner
-    from lppo.ray_runtime import RaySettings, configure_ray
+    from lppo.iteration.data_settings import DataSettings
+    from lppo.iteration.planner import ChunkPlanner
     from lppo.replay import TransferQueueReplayStore
+    from lppo.runtime.ray_runtime import RaySettings, configure_ray
 
     torch.set_num_threads(2)
     configure_ray(RaySettings(temp_dir=tempfile.mkdtemp(prefix="lppo-mem-", dir="/tmp")))

@@ -39,7 +39,7 @@ def lifecycle(given: Sequence[Callback] = ()) -> list[Callback]:
 
     Every iteration needs them: without them a step is never finished or rows are never
     released, and the controller fails the iteration saying so. A plain-Python
-    :class:`~lppo.controller.PPOController` takes them as
+    :class:`~lppo.iteration.controller.PPOController` takes them as
     ``callbacks=[*mine, *lifecycle(mine)]``.
 
     Args:

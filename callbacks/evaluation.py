@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, cast
 
 import lightning.pytorch as pl
 
-from lppo.hooks import PPOCallback
+from lppo.iteration.hooks import PPOCallback
 from lppo.rollout.reward_call import RewardError
-from lppo.run_log import RunLog
+from lppo.run.log import RunLog
 from lppo.tasks.base import Prompt, Task
 from lppo.types import iteration_label, iteration_number
 from lppo.validation import callback_key, check_number
 
 if TYPE_CHECKING:
     from lppo.rollout.source import RolloutSource
-    from lppo.system import PPOSystem
+    from lppo.run.system import PPOSystem
 
 #: A sample is correct when its reward reaches this value (tasks give exactly 1.0 to the
 #: reference answer; rewards lie in ``[0, 1]``).

@@ -16,9 +16,9 @@ from lppo.validation import SettingError, callback_key, check_number
 class HFExport(Callback):
     """At ``on_train_end`` (global rank zero) writes ``<directory>/policy`` (and ``critic``).
 
-    The layout is that of :func:`lppo.export.export_system`: ``<directory>/policy`` loads with
+    The layout is that of :func:`lppo.run.export.export_system`: ``<directory>/policy`` loads with
     ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``;
-    ``<directory>/critic`` with :func:`lppo.export.load_critic`. With ``every_n_iterations``
+    ``<directory>/critic`` with :func:`lppo.run.export.load_critic`. With ``every_n_iterations``
     the same is written to ``<directory>/iteration-NNNN`` after every N-th iteration
     (``NNNN`` is the 0-based iteration index, as in the ``IterationCheckpoint`` names).
 
@@ -75,9 +75,9 @@ class HFExport(Callback):
         Every rank gathers the weights with the others (a collective under a sharding layout;
         free with full replicas), so every rank must call this at the same point.
         """
-        # Imported here: `python -m lppo.export` must not find lppo.export already imported
-        # (lppo -> lppo.trainer -> lppo.callbacks).
-        from lppo.export import export_system
+        # Imported here: `python -m lppo.run.export` must not find lppo.run.export already imported
+        # (lppo -> lppo.run.trainer -> lppo.callbacks).
+        from lppo.run.export import export_system
 
         write = trainer.is_global_zero
         export_system(pl_module, directory, self.critic, self.adapter, write=write)

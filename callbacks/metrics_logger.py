@@ -10,8 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lppo.hooks import IterationContext, PPOCallback
-from lppo.run_log import RunLog
+from lppo.iteration.hooks import IterationContext, PPOCallback
+from lppo.run.log import RunLog
 from lppo.types import IterationResult, RolloutStats, StepStats, iteration_number
 
 #: Rollout statistics always logged as ``rollout/<name>`` (NaN when not measured).
@@ -104,7 +104,7 @@ class PPOMetricsLogger(PPOCallback):
     A failed iteration gets one row: ``iteration/failed`` (1) and ``iteration/failed_total``.
 
     Every row carries ``iteration`` and gets its own step on the run log's axis
-    (:class:`~lppo.run_log.RunLog`, saved with the run, so a resumed run continues it); the
+    (:class:`~lppo.run.log.RunLog`, saved with the run, so a resumed run continues it); the
     run log's ``history`` keeps one summary dict per iteration for other callbacks.
 
     Args:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.types import StepStats
 
 

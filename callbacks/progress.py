@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_only
 
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.types import IterationResult, iteration_label
 from lppo.validation import callback_key, check_number
 

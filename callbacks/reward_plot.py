@@ -8,8 +8,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lppo.hooks import IterationContext, PPOCallback
-from lppo.interrupts import RunInterrupted
+from lppo.iteration.hooks import IterationContext, PPOCallback
+from lppo.run.interrupts import RunInterrupted
 from lppo.types import IterationResult, iteration_number
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.types import IterationResult
 
 

@@ -12,9 +12,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks.reward_plot import run_dir
 
-from lppo.hooks import IterationContext, PPOCallback
-from lppo.interrupts import RunInterrupted
-from lppo.run_log import RunLog
+from lppo.iteration.hooks import IterationContext, PPOCallback
+from lppo.run.interrupts import RunInterrupted
+from lppo.run.log import RunLog
 from lppo.types import IterationResult, iteration_number
 from lppo.validation import callback_key, check_number
 

@@ -5,20 +5,24 @@ The main entry points, importable from the top level::
     from lppo import ActorModule, CriticModule, PPOSystem, PPOTrainer, ReplayDataModule
 """
 
+from lppo import _moved
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator
-from lppo.hooks import IterationContext, PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import IterationContext, PPOCallback
+from lppo.layouts.base import ParallelContext
 from lppo.modules import ActorModule, CriticModule, PPOModule, StepStateError
-from lppo.parallel import ParallelContext, ProcessGroup
+from lppo.modules.models import HFCausalLM
+from lppo.parallel import ProcessGroup
 from lppo.replay import MemoryReplayStore, ReplayStore
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings
-from lppo.system import PPOSystem
-from lppo.trainer import PPOTrainer
+from lppo.run.system import PPOSystem
+from lppo.run.trainer import PPOTrainer
 from lppo.types import IterationResult
+
+_moved.install()  # old module paths (lppo.system, lppo.models, ...) keep importing
 
 __version__ = "0.1.0"
 

@@ -61,12 +61,12 @@ class PPOConfig:
             training epoch computes them, chunk by chunk: one forward pass fewer per
             iteration, the same numbers up to round-off; it needs no KL penalty in the
             reward, ``actor_minibatches: 1``, ``disable_dropout: true`` and no critic
-            warmup, :func:`~lppo.old_logprobs.actor_epoch_obstacles`), ``engine`` (the rollout
-            engine computes them while it samples: π's logits at the sampling temperature,
+            warmup, :func:`~lppo.iteration.old_logprobs.actor_epoch_obstacles`), ``engine`` (the
+            rollout engine computes them while it samples: π's logits at the sampling temperature,
             before top-p / top-k, at each sampled token; one forward pass fewer, the same
             numbers up to round-off where the engine samples from the actor's own module on
             the live weights, as the default ``HFGenerateEngine`` does,
-            :func:`~lppo.old_logprobs.engine_obstacles`), ``auto`` (the default: ``actor``
+            :func:`~lppo.iteration.old_logprobs.engine_obstacles`), ``auto`` (the default: ``actor``
             where it is exact, else ``engine`` where it is exact, else ``recompute``, logged
             at setup) or ``rollout`` (the engine's sampling log-probabilities,
             ``gen_logprobs``, which are π_old only with no top-p / top-k / min-new-tokens
@@ -78,7 +78,7 @@ class PPOConfig:
             needs ``critic_minibatches: 1`` (so no step changes the critic before every row
             is valued), ``disable_dropout: true`` and an estimator with per-row targets
             (``GAE``). ``auto`` (the default): ``critic`` where those hold, else ``score``
-            (logged at setup; :func:`~lppo.critic_targets.resolve_old_values`).
+            (logged at setup; :func:`~lppo.iteration.critic_targets.resolve_old_values`).
     """
 
     #: Settings a resumed run may change (budgets and the failure policy, read afresh).
@@ -171,7 +171,7 @@ class PPOConfig:
         )
 
     def _check_producers(self) -> None:
-        # Whether a producer is exact here depends on the modules too: lppo.run_plan decides.
+        # Whether a producer is exact here depends on the modules too: lppo.run.plan decides.
         if self.old_logprobs not in ("auto", "recompute", "actor", "engine", "rollout"):
             raise SettingError(
                 f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'auto', 'recompute', "

@@ -2,7 +2,7 @@
 
 A component that can resolve an ``auto`` of its own against what it holds (a module's
 ``trim_prompt`` against its body, an engine's cache against the policy's layers) reports each
-choice through :func:`note`. While :class:`~lppo.run_plan.RunPlan` is being built
+choice through :func:`note`. While :class:`~lppo.run.plan.RunPlan` is being built
 (:func:`collecting`) the choices go into the plan, which logs them in one block and saves them
 in checkpoints; a component used on its own (a test, a notebook) logs its line at once.
 """

@@ -1,6 +1,6 @@
 """Settings of a component as it was built: its init arguments, not what it stores.
 
-A checkpoint records the settings that shaped a run (:mod:`lppo.checkpointing`). Reading them
+A checkpoint records the settings that shaped a run (:mod:`lppo.run.checkpointing`). Reading them
 back by attribute name fails for a component that keeps an argument under another name (it
 would be recorded as ``None``), so a component inherits :class:`RecordsInitArgs`: its instances
 keep the arguments they were constructed with, bound to the signature of ``__init__``.

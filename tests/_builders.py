@@ -6,7 +6,7 @@ import torch
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-from lppo.controller import PPOController
+from lppo.iteration.controller import PPOController
 from lppo.replay import MemoryReplayStore
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.rollout.source import put_samples

@@ -15,13 +15,14 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 def lppo_cli(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m lppo.cli *args``; ``LPPO_DEBUG`` / ``JSONARGPARSE_DEBUG`` only from ``env``."""
+    """``python -m lppo.run.cli *args``; ``LPPO_DEBUG`` / ``JSONARGPARSE_DEBUG`` only from
+    ``env``."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     full = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": path}
     for key in ("LPPO_DEBUG", "JSONARGPARSE_DEBUG"):
         full.pop(key, None)
     return subprocess.run(
-        [sys.executable, "-m", "lppo.cli", *args],
+        [sys.executable, "-m", "lppo.run.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lppo.hooks import PPOCallback
+from lppo.iteration.hooks import PPOCallback
 from lppo.tasks import DatasetTask
 from lppo.tasks.verifiers import Verifier
 

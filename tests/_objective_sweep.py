@@ -21,7 +21,7 @@ from lppo.algorithms import (
     OffPolicyCorrection,
     importance_weights,
 )
-from lppo.chunks import read_chunk
+from lppo.iteration.chunks import read_chunk
 from lppo.modules import ActorModule, shifted_logprobs
 from lppo.types import (
     ADVANTAGES,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.replay import TransferQueueReplayStore
 from lppo.replay._tq_runtime import acquire_tq, release_tq
+from lppo.runtime.ray_runtime import RaySettings, configure_ray
 
 TEMP_DIR = os.path.join(tempfile.gettempdir(), f"lppo-tests-{os.getpid()}")
 #: The session's Ray settings (``trainer.ray`` of every fit that runs on the session's Ray).

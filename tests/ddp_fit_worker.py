@@ -18,7 +18,7 @@ with ``--tq-temp-dir`` the replay is one
 :class:`~lppo.replay.TransferQueueReplayStore` shared by every rank (rank 0 starts a local Ray
 there, the other ranks attach to it) and each rank also records TransferQueue's own state of
 the partition at the end (``tq``: partition, keys left, live rows, claims, released ids).
-With ``N x M > 1`` the fit uses :class:`lppo.strategy.PPOStrategy`; Lightning re-runs this
+With ``N x M > 1`` the fit uses :class:`lppo.runtime.strategy.PPOStrategy`; Lightning re-runs this
 script for ranks ``1..N-1`` (so it must not run under pytest, whose command would be relaunched
 instead); with ``M > 1`` an external launcher (torchrun, SLURM's srun) starts every node. Five
 prompts in blocks of one over two ranks: rank 0 generates three, rank 1 two (uneven rows), and
@@ -47,23 +47,23 @@ from _builders import ThresholdCopyTask
 from lppo.callbacks import HFExport
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
 from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.estimators import GRPO
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.layouts import DataParallelLayout, FSDPLayout
 from lppo.layouts.fsdp import _param_groups, is_sharded, roots_of
-from lppo.loop import attached_trainer
-from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.lora import LoRA
-from lppo.ray_runtime import RaySettings
+from lppo.modules.models import HFCausalLM
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
-from lppo.strategy import PPOStrategy
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.loop import attached_trainer
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.ray_runtime import RaySettings
+from lppo.runtime.strategy import PPOStrategy
 from lppo.tasks import CopyTask, Task
-from lppo.trainer import PPOTrainer
 
 ITERATIONS = 2
 MAX_TOKENS_PER_CHUNK = 24

@@ -1,7 +1,7 @@
 """``lppo fit`` with megatron modules on CPU processes (standalone script, launched by tests).
 
 Run as ``python megatron_fit_worker.py [--record DIR] fit --config ... [overrides]``: installs
-the megatron CPU shims (``tests/_megatron_cpu.py``), then runs ``lppo.cli.run`` with the
+the megatron CPU shims (``tests/_megatron_cpu.py``), then runs ``lppo.run.cli.run`` with the
 arguments after the worker's own. With ``trainer.devices > 1`` Lightning re-runs this script for
 the other ranks (so it must not run under pytest, whose command would be relaunched instead).
 With ``--record DIR`` every rank writes ``DIR/rank<R>.json`` (its data- and tensor-parallel
@@ -20,9 +20,9 @@ from typing import Any
 import _megatron_cpu
 import torch
 
-from lppo.cli import run
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.modules.megatron.convert import unshard
+from lppo.run.cli import run
 
 
 class Record(PPOCallback):

@@ -23,16 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _tq import listening_addresses, ray_processes
 
-from lppo.data import ReplayDataModule
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.ray_runtime import LOOPBACK, RaySettings
+from lppo.modules.models import HFCausalLM
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import RayWorkersEngine
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.ray_runtime import LOOPBACK, RaySettings
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 MIB = 2**20
 LPPO_ACTORS = {"ray::RolloutWorker", "ray::TransferQueueController", "ray::Catalog"}

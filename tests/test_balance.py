@@ -1,5 +1,5 @@
-"""Token balancing over data-parallel ranks (lppo.balance): the cuts, and rows moved between
-the stores of three gloo ranks, planned exactly as one process plans them."""
+"""Token balancing over data-parallel ranks (lppo.iteration.balance): the cuts, and rows moved
+between the stores of three gloo ranks, planned exactly as one process plans them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from _builders import random_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.balance import Moves, balance_metrics, balanced_owners, rank_loads
-from lppo.data import ReplayDataModule
+from lppo.iteration.balance import Moves, balance_metrics, balanced_owners, rank_loads
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.planner import RowLayout
 from lppo.parallel import ProcessGroup
-from lppo.planner import RowLayout
 from lppo.replay import MemoryReplayStore
 from lppo.types import INPUT_IDS, RowMeta
 

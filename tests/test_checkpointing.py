@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_resume import fit
 
-from lppo.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointError
-from lppo.export import export_from_checkpoint
-from lppo.trainer import PPOTrainer
+from lppo.run.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointError
+from lppo.run.export import export_from_checkpoint
+from lppo.run.trainer import PPOTrainer
 from lppo.validation import SettingError
 
 pytestmark = pytest.mark.slow
@@ -141,7 +141,7 @@ def test_a_payload_checkpoint_never_runs_through_lppo_fit(tmp_path, run_dir, ckp
     args = ["fit", "--config", str(TINY), "--trainer.default_root_dir", str(tmp_path)]
     args += ["--ckpt_path", "last" if ckpt_path == "last" else str(path)]
     proc = subprocess.run(
-        [sys.executable, "-m", "lppo.cli", *args],
+        [sys.executable, "-m", "lppo.run.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -159,7 +159,7 @@ def test_a_payload_checkpoint_never_runs_through_export(tmp_path, run_dir, monke
         export_from_checkpoint(path, tmp_path / "export")
     assert not marker.exists()
     proc = subprocess.run(
-        [sys.executable, "-m", "lppo.export", str(path), str(tmp_path / "export")],
+        [sys.executable, "-m", "lppo.run.export", str(path), str(tmp_path / "export")],
         capture_output=True,
         text=True,
         timeout=300,

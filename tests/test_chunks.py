@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 from _builders import filled_store, random_rows
 
-from lppo.chunks import NAMED_COLUMNS, collate, iter_chunks, pad_rows, padding_chunk, read_chunk
-from lppo.data_settings import DataSettings
-from lppo.planner import ChunkPlanner
+from lppo.iteration.chunks import (
+    NAMED_COLUMNS,
+    collate,
+    iter_chunks,
+    pad_rows,
+    padding_chunk,
+    read_chunk,
+)
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.types import (
     ADVANTAGES,
     GEN_LOGPROBS,

@@ -1,7 +1,7 @@
 """The ``lppo`` command line: help, print_config round trip, overrides, outputs, loggers, errors.
 
 Every run shrinks ``configs/tiny.yaml`` (4 prompts x 2 samples, 1-2 iterations) and writes under
-``tmp_path``. Runs are in-process (``lppo.cli.run``); only ``lppo fit --help`` goes through the
+``tmp_path``. Runs are in-process (``lppo.run.cli.run``); only ``lppo fit --help`` goes through the
 console script.
 """
 
@@ -25,12 +25,12 @@ import torch
 import yaml
 from _cli import lppo_cli
 
-from lppo.cli import run
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
-from lppo.ray_runtime import RaySettings
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.cli import run
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.runtime.ray_runtime import RaySettings
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -296,12 +296,12 @@ def test_trainer_strategy_is_parsed_as_a_class(
 ) -> None:
     """PPOTrainer reads ``strategy`` from its kwargs without a default, which would hide
     Lightning's type from jsonargparse (``str | Untyped``) and drop the class form."""
-    strategy = ["--trainer.strategy", "lppo.strategy.PPOStrategy", "--trainer.devices", "2"]
+    strategy = ["--trainer.strategy", "lppo.runtime.strategy.PPOStrategy", "--trainer.devices", "2"]
     strategy += ["--trainer.strategy.start_method", "spawn"]
     with pytest.raises(SystemExit):
         run([*fit_args(tmp_path / "run", *strategy), "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
-    assert config["class_path"] == "lppo.strategy.PPOStrategy"
+    assert config["class_path"] == "lppo.runtime.strategy.PPOStrategy"
     assert config["init_args"]["start_method"] == "spawn"
 
 
@@ -427,7 +427,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def lppo_fit(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lppo.cli", *args],
+        [sys.executable, "-m", "lppo.run.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,

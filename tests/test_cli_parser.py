@@ -1,6 +1,6 @@
 """``lppo --help`` / ``lppo fit --help`` are lppo's; parse errors come first; Trainer knobs refused.
 
-Every check runs ``python -m lppo.cli`` in a fresh process and reads what a person sees.
+Every check runs ``python -m lppo.run.cli`` in a fresh process and reads what a person sees.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from _cli import TINY, lppo_cli
 
 from lppo.config import PPOConfig
-from lppo.system import RolloutSettings
+from lppo.run.system import RolloutSettings
 
 #: The size of ``lppo fit --help`` before lppo had its own help (Lightning's, 811 lines).
 LIGHTNING_HELP_LINES = 811

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from lppo.cli import run
+from lppo.run.cli import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def test_fsdp_config_runs_on_two_sharded_processes(tmp_path):
     out = run_script(
         [
             "-m",
-            "lppo.cli",
+            "lppo.run.cli",
             "fit",
             f"--config={ROOT / 'configs' / 'fsdp.yaml'}",
             "--trainer.max_epochs=2",
@@ -351,7 +351,7 @@ def test_vllm_config_runs_under_fsdp(tmp_path):
     out = run_script(
         [
             "-m",
-            "lppo.cli",
+            "lppo.run.cli",
             "fit",
             f"--config={ROOT / 'configs' / 'vllm.yaml'}",
             "--trainer.strategy=ppo_fsdp",

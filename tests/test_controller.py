@@ -10,15 +10,15 @@ from _builders import random_rows, stored, tiny_backbone, tiny_lm
 from lppo.callbacks import lifecycle
 
 from lppo.algorithms import advantages_and_returns, kl_penalty, token_rewards
-from lppo.chunks import read_chunk
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
 from lppo.estimators import GAE
-from lppo.hooks import PPOCallback
+from lppo.iteration.chunks import read_chunk
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
+from lppo.iteration.planner import NoValidRows
 from lppo.modules import ActorModule, CriticModule
-from lppo.planner import NoValidRows
 from lppo.replay import MemoryReplayStore
 from lppo.types import (
     ADVANTAGES,
@@ -336,7 +336,7 @@ def test_absurd_rewards_make_rows_invalid():
 
 def test_a_snapshot_that_fails_leaves_no_row_behind(monkeypatch):
     """Rows handed to the controller are its to release from the first line on."""
-    import lppo.controller as controller_module
+    import lppo.iteration.controller as controller_module
 
     class NoRoomForTheSnapshot:
         def __init__(self, modules):

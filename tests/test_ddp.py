@@ -21,10 +21,10 @@ import torch
 from _ports import next_port
 from lightning.pytorch.strategies import DDPStrategy
 
-from lppo.data_settings import DataSettings
-from lppo.planner import ChunkPlanner
-from lppo.strategy import PPODDPStrategy, check_strategy
-from lppo.trainer import PPOTrainer
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.strategy import PPODDPStrategy, check_strategy
 from lppo.types import RowMeta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,8 +247,9 @@ def test_two_processes_train_like_one(dtype, staleness, tmp_path):
 
     # Generation is split by prompt blocks: rank 0 put prompts 0-2, rank 1 prompts 3-4 (each
     # prompt's samples on one rank), together the single process's rows. To balance tokens,
-    # rows at the blocks' boundary then move to the other rank (lppo.balance): its iteration
-    # rows are its block, then the rows it received (the end of rank 0's block, or the start
+    # rows at the blocks' boundary then move to the other rank (lppo.iteration.balance): its
+    # iteration rows are its block, then the rows it received (the end of rank 0's block, or the
+    # start
     # of rank 1's).
     generated = [[p for p in range(3) for _ in range(3)], [p for p in (3, 4) for _ in range(3)]]
     moved = 0
@@ -420,7 +421,7 @@ def test_cli_fit_on_two_processes(tmp_path):
     out = run_script(
         [
             "-m",
-            "lppo.cli",
+            "lppo.run.cli",
             "fit",
             f"--config={ROOT / 'configs' / 'tiny.yaml'}",
             "--trainer.devices=2",

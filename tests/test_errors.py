@@ -1,6 +1,6 @@
 """lppo's setup errors print as one short block; ``--debug`` / ``LPPO_DEBUG=1`` add the traceback.
 
-Every check runs ``python -m lppo.cli fit`` in a fresh process and reads its stderr.
+Every check runs ``python -m lppo.run.cli fit`` in a fresh process and reads its stderr.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lppo.tokenizer import build_char_tokenizer
+from lppo.modules.tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "examples" / "README.md"

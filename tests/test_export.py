@@ -19,9 +19,11 @@ from lppo.callbacks import HFExport
 from safetensors.torch import load_file
 from torch import nn
 
-from lppo.cli import run
-from lppo.data import ReplayDataModule
-from lppo.export import (
+from lppo.iteration.data import ReplayDataModule
+from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
+from lppo.run.cli import run
+from lppo.run.export import (
     CRITIC_DIR,
     POLICY_DIR,
     export_critic,
@@ -31,11 +33,9 @@ from lppo.export import (
     load_critic,
     main,
 )
-from lppo.models import HFCausalLM
-from lppo.modules import ActorModule, CriticModule
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 from lppo.types import Chunk
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from test_resume import assert_same, fit, params
 
 from lppo.config import PPOConfig
 from lppo.errors import IterationError
-from lppo.hooks import PPOCallback
+from lppo.iteration.hooks import PPOCallback
 from lppo.validation import SettingError
 
 

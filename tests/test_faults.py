@@ -15,7 +15,7 @@ from _builders import stored
 from test_controller import make_controller, make_rollout
 
 from lppo.errors import IterationError
-from lppo.hooks import PPOCallback
+from lppo.iteration.hooks import PPOCallback
 from lppo.replay import MemoryReplayStore
 
 pytestmark = pytest.mark.slow

@@ -19,11 +19,11 @@ from test_controller import make_controller, make_rollout
 from test_faults import SETTINGS, same, snapshot
 from test_sigkill import ITERATIONS, ROOT, env, final_state, lppo_fit
 
-from lppo import interrupts
-from lppo.checkpointing import TMP_MARK
-from lppo.hooks import PPOCallback
-from lppo.interrupts import RunInterrupted
+from lppo.iteration.hooks import PPOCallback
 from lppo.replay import MemoryReplayStore
+from lppo.run import interrupts
+from lppo.run.checkpointing import TMP_MARK
+from lppo.run.interrupts import RunInterrupted
 
 
 class SignalSelf(PPOCallback):

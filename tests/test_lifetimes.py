@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from lppo.data import ReplayDataModule
-from lppo.lifetimes import ResourceCloseError, RunResources
+from lppo.iteration.data import ReplayDataModule
 from lppo.replay.memory import MemoryReplayStore
 from lppo.rollout import ProcessRunner, RolloutProcessError, RolloutSettings, ThreadRunner
 from lppo.rollout.base import PromptBlock
 from lppo.rollout.jobs import RolloutJob
+from lppo.runtime.lifetimes import ResourceCloseError, RunResources
 from lppo.validation import SettingError
 
 # --------------------------------------------------------------------------- RunResources
@@ -83,7 +83,7 @@ def test_an_exit_raised_by_a_close_survives_as_itself_after_all_closed() -> None
 
 def test_leaving_on_an_error_logs_close_failures_and_keeps_the_error(caplog) -> None:
     log: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="lppo.lifetimes"):
+    with caplog.at_level(logging.WARNING, logger="lppo.runtime.lifetimes"):
         with pytest.raises(KeyError, match="the run's own"):
             with RunResources() as resources:
                 resources.enter("a", recorder(log, "a"))

@@ -10,13 +10,13 @@ import pytest
 
 from lppo.algorithms import OffPolicyCorrection
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.modules.models import HFCausalLM
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 MISMATCH = ("mismatch_kl", "mismatch_max_abs_log_ratio", "mismatch_outside_fraction")
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 import transformers
 
-from lppo.models import HFCausalLM, hidden_size_of
-from lppo.tokenizer import build_char_tokenizer
+from lppo.modules.models import HFCausalLM, hidden_size_of
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.validation import SettingError
 
 IDS = {"vocab_size": 20, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

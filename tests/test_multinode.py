@@ -24,7 +24,7 @@ import torch
 from _ports import next_port
 from test_ddp import PARAM_ATOL, PARAM_RTOL, WORKER, _env, boundary_split, finish, finish_all
 
-from lppo.strategy import SOCKET_IFNAME_VARS, bind_to_loopback, loopback_interface
+from lppo.runtime.strategy import SOCKET_IFNAME_VARS, bind_to_loopback, loopback_interface
 
 
 def is_loopback(ip: str) -> bool:
@@ -113,7 +113,7 @@ def test_two_nodes_through_torchrun_and_slurm_train_like_one_process(tmp_path):
             assert ips and all(is_loopback(ip) for ip in ips), ips
             assert rec["global_step"] == one["global_step"]
         # Each node generated its own prompts, together the single process's rollout; rows at
-        # the boundary then moved to the other node to balance tokens (lppo.balance).
+        # the boundary then moved to the other node to balance tokens (lppo.iteration.balance).
         for it, rollout in enumerate(one["rollouts"]):
             parts = [rec["rollouts"][it]["prompts"] for rec in ranks]
             assert boundary_split(parts, rollout["prompts"]), parts

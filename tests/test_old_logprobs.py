@@ -16,15 +16,15 @@ import torch
 
 from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.estimators import GAE, GRPO
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.modules.models import HFCausalLM
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 from lppo.types import OLD_LOGPROBS
 from lppo.validation import SettingError
 

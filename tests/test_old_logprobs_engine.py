@@ -16,17 +16,17 @@ import torch
 from _builders import sliding_window_model
 from test_old_logprobs import assert_trained_alike, counted_scores, fit, spec
 
-from lppo.chunks import collate
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.estimators import GRPO
+from lppo.iteration.chunks import collate
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.modules import ActorModule
 from lppo.modules.lora import LoRA
-from lppo.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutSettings
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK
 from lppo.validation import SettingError
 

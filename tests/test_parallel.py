@@ -8,7 +8,8 @@ import pathlib
 import pytest
 import torch
 
-from lppo.parallel import SINGLE, ParallelContext, ProcessGroup
+from lppo.layouts.base import ParallelContext
+from lppo.parallel import SINGLE, ProcessGroup
 from lppo.stats import Moments, SumStats
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

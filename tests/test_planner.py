@@ -10,10 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import lppo.data
-from lppo.data import ReplayDataModule
-from lppo.data_settings import SCORE_CHUNK_FACTOR, DataSettings
-from lppo.planner import ChunkPlanner, DropBudgetExceeded, EpochPlan, NoValidRows, RowLayout
+import lppo.iteration.data
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.data_settings import SCORE_CHUNK_FACTOR, DataSettings
+from lppo.iteration.planner import (
+    ChunkPlanner,
+    DropBudgetExceeded,
+    EpochPlan,
+    NoValidRows,
+    RowLayout,
+)
 from lppo.types import RowMeta
 
 RUN_KEYS = ("world_size", "rank", "max_row_length", "rows_per_iteration", "minibatches")
@@ -394,7 +400,7 @@ def test_the_data_module_builds_its_planner_once(monkeypatch: pytest.MonkeyPatch
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(lppo.data, "ChunkPlanner", CountedPlanner)
+    monkeypatch.setattr(lppo.iteration.data, "ChunkPlanner", CountedPlanner)
     meta = make_meta([4] * 6, [1] * 6)
     layout = RowLayout(meta=meta, owners=(0,) * 6)
     data = ReplayDataModule(max_tokens_per_chunk=32, seed=4, drop_budget=1, shuffle=False)

@@ -37,7 +37,7 @@ def paused_fit(tmp_path: Path, temp_dir: str) -> subprocess.Popen:
     args += ["--trainer.ray.temp_dir", temp_dir, "--trainer.default_root_dir", str(tmp_path)]
     args += ["--trainer.callbacks+=_fault_points.PauseAt", "--trainer.callbacks.point=critic:0"]
     args += [f"--trainer.callbacks.marker={marker}"]
-    code = "from lppo.cli import main; main()"
+    code = "from lppo.run.cli import main; main()"
     path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(

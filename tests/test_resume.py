@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
 from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.errors import IterationError
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.slow
 

@@ -20,21 +20,21 @@ import pytest
 from test_resume import fit
 
 from lppo.algorithms import ClippedPPO
-from lppo.checkpointing import (
+from lppo.init_args import Record, RecordsInitArgs, record
+from lppo.iteration.data import ReplayDataModule
+from lppo.modules import ActorModule
+from lppo.modules.models import HFCausalLM
+from lppo.rollout import HFGenerateEngine
+from lppo.run.checkpointing import (
     RESUME_SAFE,
     SETTINGS_VERSION,
     CheckpointError,
     run_settings,
     settings_changes,
 )
-from lppo.data import ReplayDataModule
-from lppo.init_args import Record, RecordsInitArgs, record
-from lppo.models import HFCausalLM
-from lppo.modules import ActorModule
-from lppo.rollout import HFGenerateEngine
-from lppo.system import PPOSystem
+from lppo.run.system import PPOSystem
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 
 class RenamedEngine(HFGenerateEngine):
@@ -184,8 +184,8 @@ def test_a_real_resume_applies_the_declared_knob_and_refuses_another(tmp_path):
 
 def test_a_reward_model_records_its_classifier_spec():
     """Its spec was recorded as None when settings were read back by attribute name."""
-    from lppo.models import HFCausalLM
     from lppo.modules import RewardModel
+    from lppo.modules.models import HFCausalLM
 
     rec = record(RewardModel(HFCausalLM(hidden_size=32, num_layers=1, num_heads=2), weight=0.5))
     assert isinstance(rec.settings["model"], Record)
@@ -205,7 +205,7 @@ def lppo_fit(
     args = ["fit", "--config", f"configs/{config}.yaml", *SHRUNK]
     args += ["--trainer.max_epochs", str(iterations), "--trainer.default_root_dir", str(root)]
     return subprocess.run(
-        [sys.executable, "-m", "lppo.cli", *args, *extra],
+        [sys.executable, "-m", "lppo.run.cli", *args, *extra],
         capture_output=True,
         text=True,
         timeout=300,

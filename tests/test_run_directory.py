@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_sigkill import env, lppo_fit
 
-from lppo.checkpointing import TMP_MARK, CheckpointError, remove_stale_temporaries
-from lppo.run_directory import RunDirectory, RunDirectoryError
+from lppo.run.checkpointing import TMP_MARK, CheckpointError, remove_stale_temporaries
+from lppo.run.directory import RunDirectory, RunDirectoryError
 
 
 def fake_run(root: Path, *names: str) -> RunDirectory:
@@ -51,7 +51,7 @@ def test_last_needs_a_checkpoint_and_auto_resumes_when_there_is_one(tmp_path):
 
 def test_the_lock_refuses_a_second_process_naming_the_first(tmp_path):
     code = (
-        "import sys, time; from lppo.run_directory import RunDirectory; "
+        "import sys, time; from lppo.run.directory import RunDirectory; "
         "d = RunDirectory(sys.argv[1], None); d.lock(); print('locked', flush=True); "
         "time.sleep(600)"
     )

@@ -10,16 +10,16 @@ from test_old_logprobs import spec
 
 from lppo import PPOTrainer
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
 from lppo.decisions import Decision, collecting, note
 from lppo.estimators import GAE, GRPO
+from lppo.iteration.data import ReplayDataModule
+from lppo.layouts.base import ParallelContext
 from lppo.modules import ActorModule, CriticModule
-from lppo.parallel import ParallelContext
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutSettings
-from lppo.run_plan import PLAN_KEY, RunParts, RunPlan, plan_changes
-from lppo.system import PPOSystem
+from lppo.run.plan import PLAN_KEY, RunParts, RunPlan, plan_changes
+from lppo.run.system import PPOSystem
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,9 +115,9 @@ def _sources(folder: str) -> dict[str, ast.Module]:
 
 
 def test_the_controller_reads_no_auto_value() -> None:
-    tree = ast.parse((ROOT / "lppo" / "controller.py").read_text())
+    tree = ast.parse((ROOT / "lppo" / "iteration" / "controller.py").read_text())
     autos = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "auto"]
-    assert autos == [], f"lppo/controller.py compares with 'auto' at lines {autos}"
+    assert autos == [], f"lppo/iteration/controller.py compares with 'auto' at lines {autos}"
 
 
 @pytest.mark.parametrize("folder", ["lppo", "callbacks"])

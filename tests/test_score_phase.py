@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
+from lppo.iteration.score_phase import _reward_range
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
 from lppo.parallel import ProcessGroup
-from lppo.score_phase import _reward_range
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS, RESPONSE_MASK, VALUES
 
 

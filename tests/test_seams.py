@@ -13,14 +13,14 @@ import torch
 from _seams import BatchOnlyTask, CopyingEngine, CountingGAE, ForgetfulEngine
 from test_cli import fit_args
 
-from lppo.cli import run
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
 from lppo.rollout import RolloutSettings, StaleWeightsError
-from lppo.system import PPOSystem
-from lppo.trainer import PPOTrainer
+from lppo.run.cli import run
+from lppo.run.system import PPOSystem
+from lppo.run.trainer import PPOTrainer
 
 
 def spec(seed: int) -> HFCausalLM:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lppo.checkpointing import TMP_MARK
+from lppo.run.checkpointing import TMP_MARK
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ ARGS = [
 
 
 def lppo_fit(root: Path, *extra: str) -> list[str]:
-    code = "from lppo.cli import main; main()"
+    code = "from lppo.run.cli import main; main()"
     args = ["--trainer.default_root_dir", str(root), *extra]
     return [sys.executable, "-c", code, "fit", *ARGS, *args]
 

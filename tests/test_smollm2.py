@@ -185,7 +185,7 @@ def test_fit_trains_the_pretrained_model(
 ) -> None:
     from safetensors.torch import load_file
 
-    from lppo.cli import run
+    from lppo.run.cli import run
 
     monkeypatch.syspath_prepend(str(EXAMPLE))  # class_path: smollm2_task.ChatArithmeticTask
     run_dir = tmp_path / "run"
@@ -225,7 +225,7 @@ def test_multiturn_example_calls_the_calculator(
 ) -> None:
     """examples/smollm2/multiturn.yaml for one small iteration: the model's calls reach the
     calculator (in the tool worker), its answers come back as masked tool turns."""
-    from lppo.cli import run
+    from lppo.run.cli import run
 
     monkeypatch.syspath_prepend(str(EXAMPLE))  # smollm2_task and the calculator tool
     config = yaml.safe_load((EXAMPLE / "multiturn.yaml").read_text())

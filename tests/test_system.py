@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.modules.models import HFCausalLM
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import ArithmeticTask, CopyTask
-from lppo.trainer import PPOTrainer
 from lppo.validation import SettingError
 
 

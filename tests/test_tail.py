@@ -15,14 +15,20 @@ import torch
 from torch import nn
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.modules.lora import LoRA
-from lppo.system import PPOSystem, RolloutSettings
-from lppo.tail import TailBlock, check_trimmable, response_start, switch_off_under_sharding, trimmed
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tail import (
+    TailBlock,
+    check_trimmable,
+    response_start,
+    switch_off_under_sharding,
+    trimmed,
+)
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 from lppo.types import Chunk
 from lppo.validation import SettingError
 

@@ -3,13 +3,13 @@ import random
 import pytest
 import transformers
 
-from lppo.tasks import ArithmeticTask, CopyTask
-from lppo.tokenizer import (
+from lppo.modules.tokenizer import (
     SPECIAL_TOKENS,
     build_char_tokenizer,
     check_coverage,
     check_task_coverage,
 )
+from lppo.tasks import ArithmeticTask, CopyTask
 from lppo.validation import SettingError
 
 

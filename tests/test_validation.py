@@ -19,7 +19,7 @@ import pytest
 from jsonargparse import Namespace
 from jsonargparse._util import import_object
 
-from lppo.cli import PPOCLI
+from lppo.run.cli import PPOCLI
 from lppo.validation import SettingError, check_number
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,9 +213,9 @@ def instantiate(parser: Any, args: list[str]) -> None:
 def knobs_of(config: Path, tmp: Path) -> tuple[PPOCLI, dict[str, tuple[type, Any]]]:
     cli = build(config, *callback_args(), tmp=tmp)
     out: dict[str, tuple[type, Any]] = {}
-    from lppo.data import ReplayDataModule
-    from lppo.system import PPOSystem
-    from lppo.trainer import PPOTrainer
+    from lppo.iteration.data import ReplayDataModule
+    from lppo.run.system import PPOSystem
+    from lppo.run.trainer import PPOTrainer
 
     walk(cli.config.model, hints_of(PPOSystem), "model.", out)
     walk(cli.config.data, hints_of(ReplayDataModule), "data.", out)
@@ -382,8 +382,8 @@ def test_check_number_messages(kwargs: dict[str, Any], fragment: str) -> None:
 
 
 def test_python_construction_is_checked_too() -> None:
-    from lppo.models import HFCausalLM
     from lppo.modules import ActorModule
+    from lppo.modules.models import HFCausalLM
 
     with pytest.raises(SettingError, match=r"model\.actor\.init_args\.model\.init_args\.num_heads"):
         ActorModule(HFCausalLM(hidden_size=64, num_heads=0))

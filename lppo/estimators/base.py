@@ -21,7 +21,7 @@ import torch
 
 from lppo.algorithms import kl_penalty, token_rewards, whiten
 from lppo.algorithms.kl import KLKind
-from lppo.chunks import iter_chunks, unpad
+from lppo.iteration.chunks import iter_chunks, unpad
 from lppo.parallel import ProcessGroup
 from lppo.replay.base import ReplayStore
 from lppo.stats import Moments

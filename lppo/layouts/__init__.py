@@ -1,7 +1,7 @@
 """Parallel layouts: how lppo's modules are held over the launched processes.
 
 :data:`LAYOUTS` names each layout for ``--trainer.strategy`` (registered in Lightning's
-``StrategyRegistry`` by :mod:`lppo.strategy`). Adding a layout: a file implementing
+``StrategyRegistry`` by :mod:`lppo.runtime.strategy`). Adding a layout: a file implementing
 :class:`~lppo.parallel.ParallelLayout` and one entry here. The data-parallel layout lives in
 :mod:`lppo.parallel` (it is every context's default); the others live here, each with what it
 owns (FSDP's mesh, megatron-core's groups). Code outside this package reaches a layout only
@@ -12,12 +12,12 @@ is built outside lppo's strategy (``tests/test_architecture.py`` lists it).
 
 from __future__ import annotations
 
+from lppo.layouts.base import DataParallelLayout, ParallelLayout
 from lppo.layouts.fsdp import FSDPLayout
 from lppo.layouts.megatron import MegatronLayout
-from lppo.parallel import DataParallelLayout, ParallelLayout
 
 #: ``--trainer.strategy`` name → (layout class, description); each builds a
-#: :class:`~lppo.strategy.PPOStrategy` with that layout.
+#: :class:`~lppo.runtime.strategy.PPOStrategy` with that layout.
 LAYOUTS: dict[str, tuple[type[ParallelLayout], str]] = {
     "ppo_ddp": (DataParallelLayout, "lppo data parallelism: full replicas, no DDP wrapper"),
     "ppo_fsdp": (FSDPLayout, "lppo FSDP2: parameters, gradients and optimizer state sharded"),

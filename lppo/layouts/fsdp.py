@@ -37,13 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lppo.parallel import (
-    LAYOUT_ATTRIBUTE,
-    ParallelContext,
-    ProcessGroup,
-    data_parallel_context,
-    sum_gradients,
-)
+from lppo.layouts.base import LAYOUT_ATTRIBUTE, ParallelContext, data_parallel_context
+from lppo.parallel import ProcessGroup, sum_gradients
 from lppo.validation import SettingError
 
 #: Marks the models :meth:`FSDPLayout.prepare` sharded as a whole (the FSDP roots).

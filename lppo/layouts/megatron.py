@@ -29,13 +29,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from lppo.parallel import (
-    DataParallelLayout,
-    ParallelContext,
-    ProcessGroup,
-    default_world,
-    start_local_group,
-)
+from lppo.layouts.base import DataParallelLayout, ParallelContext
+from lppo.parallel import ProcessGroup, default_world, start_local_group
 from lppo.validation import SettingError
 
 #: Why ``ppo_megatron`` cannot lay a run out that has no megatron-core module.

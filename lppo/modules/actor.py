@@ -15,13 +15,13 @@ from lppo.algorithms.objectives import ClippedPPO, PolicyObjective
 from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
+from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.stats import SumStats
-from lppo.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.types import Chunk
 from lppo.validation import SettingError, check_number
 
 if TYPE_CHECKING:
-    from lppo.models import HFCausalLM
+    from lppo.modules.models import HFCausalLM
 
 
 def shifted_logprobs(
@@ -51,12 +51,12 @@ class ActorModule(PPOModule):
     Attributes:
         temperature: sampling temperature; logits are divided by it before log-softmax, so
             training scores tokens under the distribution the rollout sampled from. Not an init
-            argument: :class:`~lppo.system.PPOSystem` sets it from ``model.rollout.temperature``
+            argument: :class:`~lppo.run.system.PPOSystem` sets it from ``model.rollout.temperature``
             (the one source of sampling settings), so the two can never disagree.
 
     Args:
-        model: a Hugging Face causal LM, or an :class:`~lppo.models.HFCausalLM` spec built at
-            setup once the tokenizer is known.
+        model: a Hugging Face causal LM, or an :class:`~lppo.modules.models.HFCausalLM` spec built
+            at setup once the tokenizer is known.
         objective: the per-token policy loss (:mod:`lppo.algorithms.objectives`):
             ``lppo.algorithms.ClippedPPO`` (``null``: the default, PPO's clipped surrogate with
             clip-higher and dual clip), ``lppo.algorithms.GSPO`` (sequence-level ratio) or
@@ -73,11 +73,11 @@ class ActorModule(PPOModule):
             :mod:`lppo.algorithms.off_policy`); its bounds are also those of the
             ``rollout/mismatch_outside_fraction`` metric.
         trim_prompt: run the model's last block and LM head only from the position before
-            the chunk's first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2
+            the chunk's first response token on (:mod:`lppo.modules.tail`; Llama / Mistral / Qwen2
             models): the same log-probabilities to round-off, less work per chunk. Also used
             by the reference, a copy of the actor. ``auto`` (the default): on wherever it
             applies, off with a log line for other models, LoRA and layouts that shard the
-            weights (:func:`~lppo.tail.resolve_trim`).
+            weights (:func:`~lppo.modules.tail.resolve_trim`).
         lora: train LoRA adapters instead of the model (:mod:`lppo.modules.lora`, the
             ``[lora]`` extra): only adapters train and hold optimizer state; the reference is
             the model with adapters disabled; engines and export get the merged weights.
@@ -161,7 +161,8 @@ class ActorModule(PPOModule):
     def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:
         """Temperature-scaled logits ``float[B, T - start, V]`` of positions ``start …``.
 
-        ``start > 0`` (only with ``trim_prompt``) runs the trimmed forward of :mod:`lppo.tail`.
+        ``start > 0`` (only with ``trim_prompt``) runs the trimmed forward of
+        :mod:`lppo.modules.tail`.
         """
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")

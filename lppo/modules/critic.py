@@ -10,13 +10,13 @@ from torch import nn
 from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import LoRA, check_lora, is_adapted
+from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.stats import SumStats
-from lppo.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.types import Chunk
 from lppo.validation import check_number
 
 if TYPE_CHECKING:
-    from lppo.models import HFCausalLM
+    from lppo.modules.models import HFCausalLM
 
 
 class CriticModule(PPOModule):
@@ -27,15 +27,15 @@ class CriticModule(PPOModule):
 
     Args:
         backbone: a Hugging Face transformer (base model or causal LM; the last hidden state
-            is used), or an :class:`~lppo.models.HFCausalLM` spec built at setup.
+            is used), or an :class:`~lppo.modules.models.HFCausalLM` spec built at setup.
         value_clip: ε of the clipped value loss (``None``: unclipped squared error).
         head_init_std: standard deviation of the value head's initial weights.
         head_seed: seed of the value head's initialization.
         trim_prompt: run the backbone's last block only from the position before the chunk's
-            first response token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2 backbones):
+            first response token on (:mod:`lppo.modules.tail`; Llama / Mistral / Qwen2 backbones):
             the same values on response tokens to round-off, less work per chunk. ``auto``
             (the default): on wherever it applies, off with a log line for other models, LoRA
-            and layouts that shard the weights (:func:`~lppo.tail.resolve_trim`).
+            and layouts that shard the weights (:func:`~lppo.modules.tail.resolve_trim`).
         lora: train LoRA adapters on the backbone instead of its weights (the value head
             trains fully; :mod:`lppo.modules.lora`, the ``[lora]`` extra).
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,

@@ -18,8 +18,8 @@ from torch import nn
 
 from lppo.algorithms.losses import LOSS_AGGREGATIONS, LossAggregation, token_weights
 from lppo.init_args import RecordsInitArgs
+from lppo.layouts.base import ParallelContext
 from lppo.modules.snapshot import TrainingState, parameters_finite
-from lppo.parallel import ParallelContext
 from lppo.stats import SumStats
 from lppo.types import Chunk, StepPlan, StepStats
 from lppo.validation import SettingError, check_number
@@ -67,7 +67,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
         weights_version: increases whenever the parameters change (a step taken, a state
             loaded); rollout engines holding a copy of the weights compare against it.
         max_response_tokens: the constant ``L`` of ``loss_aggregation:
-            seq_mean_token_sum_norm``. Not an init argument: :class:`~lppo.system.PPOSystem`
+            seq_mean_token_sum_norm``. Not an init argument: :class:`~lppo.run.system.PPOSystem`
             sets it from ``model.rollout.max_new_tokens`` (the one source of the response
             length), so the two can never disagree.
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lppo.parallel import ParallelLayout
+from lppo.layouts.base import ParallelLayout
 from lppo.validation import SettingError, check_number
 
 EXTRA = "pip install -c constraints.txt -e '.[lora]'"

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from lppo.init_args import RecordsInitArgs
+from lppo.modules.tail import TrimSetting, resolve_trim, trimmed
 from lppo.parallel import SINGLE, ProcessGroup
 from lppo.stats import Moments
-from lppo.tail import TrimSetting, resolve_trim, trimmed
 from lppo.types import Chunk
 from lppo.validation import check_number
 
 if TYPE_CHECKING:
-    from lppo.models import HFCausalLM
+    from lppo.modules.models import HFCausalLM
 
 
 class RewardModel(RecordsInitArgs, nn.Module):
@@ -31,15 +31,16 @@ class RewardModel(RecordsInitArgs, nn.Module):
 
     Args:
         model: a Hugging Face sequence classifier (its ``base_model`` and ``score`` head are
-            used), or an :class:`~lppo.models.HFCausalLM` spec built with ``build_classifier``.
+            used), or an :class:`~lppo.modules.models.HFCausalLM` spec built with
+            ``build_classifier``.
         weight: weight of the (normalized) model score.
         task_weight: weight of the task's verifiable reward (0: the model's score alone).
         normalize: normalize scores with running moments across iterations.
         clip: clip the normalized score to ``[−clip, clip]`` (``null``: no clip).
         trim_prompt: run the classifier's last block only from the chunk's earliest last real
-            token on (:mod:`lppo.tail`; Llama / Mistral / Qwen2 models): the same scores to
+            token on (:mod:`lppo.modules.tail`; Llama / Mistral / Qwen2 models): the same scores to
             round-off, less work per chunk. ``auto`` (the default): on wherever it applies,
-            off with a log line for other models (:func:`~lppo.tail.resolve_trim`).
+            off with a log line for other models (:func:`~lppo.modules.tail.resolve_trim`).
     """
 
     def __init__(

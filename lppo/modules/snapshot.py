@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lppo.parallel import ParallelContext
+from lppo.layouts.base import ParallelContext
 
 
 class Trainable(Protocol):

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from lppo.ray_runtime import ray_module
 from lppo.replay._tq_fields import ERRORS, rows_of
 from lppo.replay._tq_runtime import acquire_tq, bounded, timeout_error, tq_module
+from lppo.runtime.ray_runtime import ray_module
 
 __all__ = ["TQClient"]
 

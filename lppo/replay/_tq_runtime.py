@@ -1,6 +1,6 @@
 """TransferQueue in an lppo process: started here (and stopped here) or attached to.
 
-:func:`acquire_tq` gets Ray through :mod:`lppo.ray_runtime` (as ``trainer.ray`` says), then
+:func:`acquire_tq` gets Ray through :mod:`lppo.runtime.ray_runtime` (as ``trainer.ray`` says), then
 either starts TransferQueue's controller and ``num_storage_units`` SimpleStorage units (when
 the cluster has none) or attaches a client to the running ones, and gets the replay catalog
 actor (started here when missing).
@@ -24,9 +24,9 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lppo.ray_runtime import KEY as RAY_KEY
-from lppo.ray_runtime import acquire_ray, ray_module, release_ray
 from lppo.replay import _ids, _tq_catalog
+from lppo.runtime.ray_runtime import KEY as RAY_KEY
+from lppo.runtime.ray_runtime import acquire_ray, ray_module, release_ray
 
 __all__ = ["StoreTimeoutError", "acquire_tq", "bounded", "release_tq", "tq_controller", "tq_module"]
 

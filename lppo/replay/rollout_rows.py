@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lppo.replay.base import ReplayStore
-from lppo.reports import merge_reports
+from lppo.run.reports import merge_reports
 from lppo.types import (
     RESPONSE_MASK,
     REWARD,
@@ -88,7 +88,7 @@ class StoredRollout:
         worker_restarts: rollout workers replaced since the previous rollout (``None``: an
             engine without workers).
         columns: the columns the rows were put with (their row schema; what a row carries
-            when it moves to another rank's store, :mod:`lppo.balance`).
+            when it moves to another rank's store, :mod:`lppo.iteration.balance`).
     """
 
     row_ids: tuple[int, ...]

@@ -51,13 +51,13 @@ from typing import Any
 import torch
 
 from lppo.parallel import ProcessGroup
-from lppo.ray_runtime import cluster_address, configure_ray, configured_ray
 from lppo.replay._checks import as_ids, as_lists, decode_dtype
 from lppo.replay._segments import count_true
 from lppo.replay._tq_client import TQClient
 from lppo.replay._tq_fields import checked_specs, nbytes_of, row_lengths, to_batch
 from lppo.replay._tq_runtime import TIMEOUT_KEY, StoreTimeoutError, release_tq
 from lppo.replay._tq_state import decode_state, encode_state
+from lppo.runtime.ray_runtime import cluster_address, configure_ray, configured_ray
 from lppo.types import INPUT_IDS, RESPONSE_MASK, RowMeta
 from lppo.validation import SettingError, check_number
 
@@ -71,7 +71,7 @@ class TransferQueueReplayStore(TQClient):
 
     Nothing starts at construction; :meth:`connect` (called by ``ReplayDataModule`` at setup)
     or the first call starts (or attaches to) Ray and TransferQueue. Ray comes from
-    :mod:`lppo.ray_runtime`, configured by ``trainer.ray`` (local on loopback, or a cluster
+    :mod:`lppo.runtime.ray_runtime`, configured by ``trainer.ray`` (local on loopback, or a cluster
     address). Choose it in YAML with
     ``data.store: {class_path: lppo.replay.TransferQueueReplayStore}``.
 

@@ -11,15 +11,15 @@ from lppo.rollout.base import (
     to_rollout,
 )
 from lppo.rollout.evaluation import EvalSamples
-from lppo.rollout.hf import HFGenerateEngine
+from lppo.rollout.hf.engine import HFGenerateEngine
 from lppo.rollout.multi_turn import MultiTurnEngine
 from lppo.rollout.process_runner import ProcessRunner
-from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
+from lppo.rollout.ray_workers.engine import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.reward_call import RewardError, score
 from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
 from lppo.rollout.source import RolloutSource, StaleWeightsError, derive_seed
 from lppo.rollout.turns import TurnEngine, TurnRequest, TurnSample
-from lppo.rollout.vllm import VLLMEngine
+from lppo.rollout.vllm.engine import VLLMEngine
 
 __all__ = [
     "TRUNCATED",

@@ -1,6 +1,6 @@
 """What a rollout engine offers beyond :class:`~lppo.rollout.RolloutEngine`: one typed record.
 
-The run plan (:mod:`lppo.run_plan`) and the rollout source read an engine's optional abilities
+The run plan (:mod:`lppo.run.plan`) and the rollout source read an engine's optional abilities
 only through :func:`capabilities_of`, never by probing attribute names: an engine states them
 in :meth:`CapableEngine.capabilities`, and an engine that implements only the protocol
 (a user's own) offers none of them.

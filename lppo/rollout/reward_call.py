@@ -5,7 +5,7 @@
 ``KeyboardInterrupt`` included, comes back as :class:`RewardRaised`, so the caller turns it
 into a named failure of the iteration instead of ending the run. What a *signal* raises is
 not the reward's failure: during a run SIGINT and SIGTERM raise
-:class:`~lppo.interrupts.RunInterrupted` wherever the main thread is, inside a sleeping or
+:class:`~lppo.run.interrupts.RunInterrupted` wherever the main thread is, inside a sleeping or
 looping reward too, and it propagates unchanged.
 
 The time limit (``model.ppo.reward_timeout_s``) is enforced with ``SIGALRM`` in the main
@@ -27,8 +27,8 @@ from typing import TypeVar
 
 import torch
 
-from lppo.interrupts import RunInterrupted, raise_if_interrupted
 from lppo.rollout.base import GenerationOutput
+from lppo.run.interrupts import RunInterrupted, raise_if_interrupted
 from lppo.tasks.base import Prompt, Task
 
 __all__ = ["RewardError", "RewardRaised", "RewardTimeout", "call_reward", "score"]

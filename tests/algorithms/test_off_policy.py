@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lppo.algorithms import OffPolicyCorrection, importance_weights, policy_loss
-from lppo.mismatch import Mismatch
+from lppo.iteration.mismatch import Mismatch
 
 
 def _t(*values: float) -> torch.Tensor:

@@ -21,17 +21,17 @@ from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks import Evaluation, PPOMetricsLogger, RewardCurve, RunSummary
 from lppo.callbacks.evaluation import evaluation_metrics, pass_at_k
 
-from lppo.cli import PPOCLI, run
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
 from lppo.rollout import RewardError
-from lppo.run_log import RunLog
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.cli import PPOCLI, run
+from lppo.run.log import RunLog
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
 from lppo.tasks.base import Prompt
-from lppo.trainer import PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -246,7 +246,7 @@ def test_resume_keeps_the_history(runs: dict[str, Any]) -> None:
 @pytest.mark.distributed
 def test_only_rank_zero_evaluates_under_ppo_ddp(tmp_path: Path) -> None:
     # A subprocess: Lightning's DDP launcher re-runs the command for rank 1.
-    command = [sys.executable, "-m", "lppo.cli", "fit", "--config", str(TINY)]
+    command = [sys.executable, "-m", "lppo.run.cli", "fit", "--config", str(TINY)]
     command += ["--trainer.max_epochs", "2", "--trainer.default_root_dir", str(tmp_path)]
     command += ["--model.rollout.prompts_per_iteration", "4", "--data.max_tokens_per_chunk", "24"]
     command += ["--trainer.strategy", "ppo_ddp", "--trainer.devices", "2", *EVALUATION[:3]]

@@ -17,12 +17,12 @@ from lppo.callbacks import PPOMetricsLogger, PPOProgress, RewardCurve, RunSummar
 from lppo.callbacks.reward_plot import band
 
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
-from lppo.hooks import IterationContext, PPOCallback
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.modules import ActorModule, CriticModule
 from lppo.replay import MemoryReplayStore
-from lppo.run_log import RunLog
+from lppo.run.log import RunLog
 from lppo.types import (
     INPUT_IDS,
     RESPONSE_MASK,

@@ -10,10 +10,10 @@ from _builders import filled_store, random_rows
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.data_settings import DataSettings
 from lppo.estimators import GRPO, RLOO, EstimatorInputs, ReinforcePP
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.parallel import SINGLE
-from lppo.planner import ChunkPlanner
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, RESPONSE_MASK, REWARD
 
 KL_KINDS = ("k1", "k2", "k3")

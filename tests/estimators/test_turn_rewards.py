@@ -8,11 +8,11 @@ import pytest
 import torch
 from _builders import filled_store
 
-from lppo.chunks import read_chunk
-from lppo.data_settings import DataSettings
 from lppo.estimators import GAE, GRPO, EstimatorInputs, ReinforcePP
+from lppo.iteration.chunks import read_chunk
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.parallel import SINGLE
-from lppo.planner import ChunkPlanner
 from lppo.stats import Moments
 from lppo.types import (
     ADVANTAGES,

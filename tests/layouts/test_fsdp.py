@@ -214,7 +214,7 @@ def test_hf_models_are_the_outermost_models_the_root_itself_included():
     """A policy handed over alone (an engine's sync) is its own one model; a module holding
     models yields each of them once, none of their insides."""
     from lppo.layouts.fsdp import hf_models
-    from lppo.models import HFCausalLM
+    from lppo.modules.models import HFCausalLM
 
     spec = HFCausalLM(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
     first, second = spec.build(16, 0, 1, 2), spec.build(16, 0, 1, 2)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lppo.trainer  # noqa: F401  (registers the layouts' strategy names)
-from lppo.cli import run
+import lppo.run.trainer  # noqa: F401  (registers the layouts' strategy names)
 from lppo.layouts import LAYOUTS, FSDPLayout
-from lppo.parallel import DataParallelLayout, ParallelLayout
-from lppo.strategy import PPOStrategy
+from lppo.layouts.base import DataParallelLayout, ParallelLayout
+from lppo.run.cli import run
+from lppo.runtime.strategy import PPOStrategy
 from lppo.validation import SettingError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_a_layout_is_chosen_by_class_path_with_its_settings(capsys):
         "--config",
         str(ROOT / "configs" / "tiny.yaml"),
         "--trainer.strategy",
-        "lppo.strategy.PPOStrategy",
+        "lppo.runtime.strategy.PPOStrategy",
         "--trainer.strategy.layout",
         "lppo.layouts.FSDPLayout",
         "--trainer.strategy.layout.param_dtype",

@@ -17,13 +17,8 @@ from _builders import tiny_lm
 from torch import nn
 
 from lppo.layouts import FSDPLayout
-from lppo.parallel import (
-    DataParallelLayout,
-    ParallelContext,
-    ProcessGroup,
-    layout_of,
-    start_local_group,
-)
+from lppo.layouts.base import DataParallelLayout, ParallelContext, layout_of
+from lppo.parallel import ProcessGroup, start_local_group
 
 
 def test_data_parallel_tensors_are_whole_and_returned_as_they_are():

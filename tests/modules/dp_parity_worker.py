@@ -28,13 +28,13 @@ from _objective_sweep import NAMES as SWEEP_NAMES  # noqa: E402
 from _objective_sweep import combos, sweep_store  # noqa: E402
 
 from lppo.algorithms import ClippedPPO  # noqa: E402
-from lppo.chunks import iter_chunks  # noqa: E402
-from lppo.data_settings import DataSettings  # noqa: E402
+from lppo.iteration.chunks import iter_chunks  # noqa: E402
+from lppo.iteration.data_settings import DataSettings  # noqa: E402
+from lppo.iteration.planner import ChunkPlanner  # noqa: E402
 from lppo.layouts import FSDPLayout  # noqa: E402
+from lppo.layouts.base import ParallelContext  # noqa: E402
 from lppo.layouts.fsdp import is_sharded  # noqa: E402
 from lppo.modules import ActorModule, CriticModule  # noqa: E402
-from lppo.parallel import ParallelContext  # noqa: E402
-from lppo.planner import ChunkPlanner  # noqa: E402
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES  # noqa: E402
 
 N_ROWS = 5

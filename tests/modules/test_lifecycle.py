@@ -10,10 +10,10 @@ import torch
 from _builders import filled_store, random_rows, tiny_backbone, tiny_lm
 
 from lppo.algorithms import ClippedPPO
-from lppo.chunks import iter_chunks, padding_chunk, read_chunk
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks, padding_chunk, read_chunk
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import ActorModule, CriticModule, StepStateError
-from lppo.planner import ChunkPlanner
 from lppo.types import (
     ADVANTAGES,
     OLD_LOGPROBS,

@@ -11,12 +11,12 @@ import torch
 import transformers
 from _builders import filled_store, random_rows, tiny_backbone, tiny_lm
 
-from lppo.chunks import iter_chunks, read_chunk
-from lppo.cli import run
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks, read_chunk
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import ActorModule, CriticModule, shifted_logprobs
 from lppo.modules.lora import AdapterFreeReference, LoRA
-from lppo.planner import ChunkPlanner
+from lppo.run.cli import run
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES
 from lppo.validation import SettingError
 
@@ -93,7 +93,7 @@ def test_engines_get_the_merged_weights_of_the_trained_policy():
 
 
 def test_a_lora_critic_trains_its_head_and_adapters_and_exports_a_plain_backbone(tmp_path):
-    from lppo.export import load_critic
+    from lppo.run.export import load_critic
 
     critic = CriticModule(tiny_backbone(), lr=1e-2, lora=LoRA(r=4, alpha=8))
     before = {n: p.detach().clone() for n, p in critic.named_parameters()}
@@ -108,7 +108,7 @@ def test_a_lora_critic_trains_its_head_and_adapters_and_exports_a_plain_backbone
 
     system = System()
     system.critic = critic
-    from lppo.export import export_critic
+    from lppo.run.export import export_critic
 
     export_critic(system, tmp_path / "critic")
     loaded = load_critic(tmp_path / "critic", dtype="float64")
@@ -175,8 +175,8 @@ def test_the_adapter_alone_is_exported_and_goes_back_on_the_base_model(tmp_path)
     the logits of the merged export of the same checkpoint."""
     import peft
 
-    from lppo.export import export_from_checkpoint
-    from lppo.models import HFCausalLM
+    from lppo.modules.models import HFCausalLM
+    from lppo.run.export import export_from_checkpoint
 
     fit(tmp_path / "run", 2, "--trainer.callbacks+=lppo.callbacks.HFExport",
         "--trainer.callbacks.adapter=true")  # fmt: skip

@@ -8,13 +8,13 @@ import pytest
 import torch
 from _builders import filled_store
 
-from lppo.chunks import read_chunk
 from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
-from lppo.models import HFCausalLM
+from lppo.iteration.chunks import read_chunk
 from lppo.modules import ActorModule
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutSettings
 from lppo.stats import SumStats
-from lppo.tokenizer import build_char_tokenizer
 from lppo.types import ADVANTAGES, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARD
 
 TASK = HiddenDigitTask()

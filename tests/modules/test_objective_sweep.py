@@ -29,11 +29,11 @@ from _objective_sweep import (
 from test_parity import CapturingActor, CapturingCritic, assert_grads_close, rel_close, streamed
 
 from lppo.algorithms import LOSS_AGGREGATIONS, value_loss
-from lppo.chunks import read_chunk
-from lppo.data_settings import DataSettings
 from lppo.estimators import GAE, GRPO, RLOO, EstimatorInputs, ReinforcePP
+from lppo.iteration.chunks import read_chunk
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.parallel import SINGLE
-from lppo.planner import ChunkPlanner
 from lppo.types import RETURNS, VALUES
 
 ESTIMATORS = {"gae": GAE, "grpo": GRPO, "rloo": RLOO, "reinforce_pp": ReinforcePP}

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lppo.algorithms import ClippedPPO, OffPolicyCorrection, importance_weights, policy_loss
-from lppo.chunks import iter_chunks, read_chunk
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks, read_chunk
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import ActorModule, shifted_logprobs
-from lppo.planner import ChunkPlanner
 from lppo.types import ADVANTAGES, GEN_LOGPROBS, OLD_LOGPROBS
 
 NAMES = [OLD_LOGPROBS, ADVANTAGES, GEN_LOGPROBS]

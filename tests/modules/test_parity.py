@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lppo.algorithms import ClippedPPO, policy_loss, value_loss
-from lppo.chunks import iter_chunks, read_chunk
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks, read_chunk
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import ActorModule, CriticModule, shifted_logprobs
-from lppo.planner import ChunkPlanner
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES
 
 RTOL = 1e-10

@@ -13,16 +13,16 @@ from _builders import VOCAB, random_rows, stored, tiny_backbone, tiny_lm
 from lppo.callbacks import lifecycle
 from test_cli import fit_args
 
-from lppo.chunks import iter_chunks
-from lppo.cli import run
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
-from lppo.data_settings import DataSettings
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.chunks import iter_chunks
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.hooks import PPOCallback
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import ActorModule, CriticModule, RewardModel
-from lppo.planner import ChunkPlanner
+from lppo.modules.models import HFCausalLM
 from lppo.replay import MemoryReplayStore
+from lppo.run.cli import run
 from lppo.types import INPUT_IDS, REWARD, RM_SCORE, TASK_REWARD, Rollout
 
 PAD = VOCAB  # an id no random row uses, so Hugging Face's own pooling finds the last token
@@ -109,7 +109,7 @@ def test_controller_trains_on_the_combined_reward():
 
 def test_reward_model_through_the_cli(tmp_path: Path):
     spec = {
-        "class_path": "lppo.models.HFCausalLM",
+        "class_path": "lppo.modules.models.HFCausalLM",
         "init_args": {"hidden_size": 16, "num_heads": 2},
     }
     rm = json.dumps({"class_path": "lppo.modules.RewardModel", "init_args": {"model": spec}})

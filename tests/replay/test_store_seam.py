@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
 from lppo.replay import InspectableStore, MemoryReplayStore, ReplayStore
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 PRODUCT = {name for name in vars(ReplayStore) if not name.startswith("_")}
 INSPECTION = {name for name in vars(InspectableStore) if not name.startswith("_")} | {"__len__"}

@@ -25,17 +25,17 @@ from _tq import RAY, listening_addresses, tq_store
 from lppo.callbacks import lifecycle
 
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
 from lppo.estimators import GAE
-from lppo.hooks import PPOCallback
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.ray_runtime import RaySettings, acquire_ray, configure_ray, ray_module
 from lppo.replay import TransferQueueReplayStore
 from lppo.replay._tq_catalog import CATALOG_NAME, CATALOG_NAMESPACE
 from lppo.replay._tq_fields import to_batch
 from lppo.replay._tq_runtime import tq_controller
+from lppo.runtime.ray_runtime import RaySettings, acquire_ray, configure_ray, ray_module
 from lppo.types import INPUT_IDS, RESPONSE_MASK, REWARD, Rollout
 from lppo.validation import SettingError
 
@@ -253,7 +253,7 @@ def test_too_few_ray_cpus_for_the_storage_units_are_refused_before_any_wait() ->
 
 TOO_FEW_CPUS = """
 import sys
-from lppo.ray_runtime import RaySettings, configure_ray, ray_owned_here
+from lppo.runtime.ray_runtime import RaySettings, configure_ray, ray_owned_here
 from lppo.replay import TransferQueueReplayStore
 configure_ray(RaySettings(num_cpus=4, temp_dir=sys.argv[1]))
 try:

@@ -18,16 +18,16 @@ import ray
 from _tq import listening_addresses, ray_processes
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
 from lppo.errors import IterationError
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.ray_runtime import RaySettings
+from lppo.modules.models import HFCausalLM
 from lppo.replay import TransferQueueReplayStore
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.ray_runtime import RaySettings
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 
 class FailInActorPhase(PPOCallback):

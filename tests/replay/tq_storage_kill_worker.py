@@ -18,8 +18,8 @@ import psutil
 import torch
 from _tq import ray_processes
 
-from lppo.ray_runtime import RaySettings, configure_ray
 from lppo.replay import TransferQueueReplayStore
+from lppo.runtime.ray_runtime import RaySettings, configure_ray
 
 
 def main() -> None:

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
-from lppo.ray_runtime import RaySettings
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.modules.models import HFCausalLM
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.ray_runtime import RaySettings
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 from lppo.types import FOR_ITERATION, INPUT_IDS, POLICY_VERSION, RESPONSE_MASK
 
 

@@ -11,7 +11,7 @@ import torch
 from _async_helpers import assert_same, fit, params
 from _builders import ThresholdCopyTask
 
-from lppo.hooks import PPOCallback
+from lppo.iteration.hooks import PPOCallback
 from lppo.rollout import InlineRunner, ProcessRunner, RolloutSettings
 from lppo.rollout.dynamic_sampling import informative_rows
 from lppo.types import REWARD
@@ -143,7 +143,7 @@ def test_an_iteration_with_no_informative_group_trains_nothing_and_goes_on(tmp_p
 def test_fixed_rows_per_rank_is_refused_at_setup(tmp_path):
     from pathlib import Path
 
-    from lppo.cli import run
+    from lppo.run.cli import run
     from lppo.validation import SettingError
 
     config = Path(__file__).resolve().parents[2] / "configs" / "grpo.yaml"

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-from lppo.models import HFCausalLM
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import (
     TRUNCATED,
     GenerationOutput,
@@ -16,7 +17,6 @@ from lppo.rollout import (
     to_rollout,
 )
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 TASK = CopyTask()
 TOK = build_char_tokenizer(TASK.vocabulary())

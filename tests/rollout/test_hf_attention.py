@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-import lppo.rollout.hf_attention as hf_attention
-from lppo.models import HFCausalLM
+import lppo.rollout.hf.attention as hf_attention
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutSettings
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 TASK = CopyTask(min_length=1, max_length=12)
 TOK = build_char_tokenizer(TASK.vocabulary())

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from lppo.models import HFCausalLM
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutSettings
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 TASK = CopyTask()
 TOK = build_char_tokenizer(TASK.vocabulary())

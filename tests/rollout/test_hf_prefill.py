@@ -9,11 +9,11 @@ import torch
 import transformers
 from _builders import sliding_window_model
 
-from lppo.models import HFCausalLM
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutSettings
-from lppo.rollout.hf_prefill import AUTO_PREFILL_TOKENS, prefill_pieces, shared_prefill_pieces
+from lppo.rollout.hf.prefill import AUTO_PREFILL_TOKENS, prefill_pieces, shared_prefill_pieces
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 TASK = CopyTask(min_length=1, max_length=12)
 TOK = build_char_tokenizer(TASK.vocabulary())

@@ -1,4 +1,4 @@
-"""The Hugging Face engine draws tokens with the Gumbel-max trick (lppo.rollout.hf_sampler)."""
+"""The Hugging Face engine draws tokens with the Gumbel-max trick (lppo.rollout.hf.sampler)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from lppo.models import HFCausalLM
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutSettings
-from lppo.rollout.hf_sampler import GumbelSampler, gumbel_obstacles
+from lppo.rollout.hf.sampler import GumbelSampler, gumbel_obstacles
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 TASK = CopyTask(min_length=1, max_length=8)
 TOK = build_char_tokenizer(TASK.vocabulary())

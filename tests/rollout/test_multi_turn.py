@@ -10,8 +10,8 @@ import torch
 
 from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.envs.base import Observation, Turn
-from lppo.models import HFCausalLM
-from lppo.reports import EpisodeReport
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import (
     HFGenerateEngine,
     MultiTurnEngine,
@@ -20,8 +20,8 @@ from lppo.rollout import (
     score,
     to_rollout,
 )
+from lppo.run.reports import EpisodeReport
 from lppo.tasks.base import Prompt
-from lppo.tokenizer import build_char_tokenizer
 from lppo.types import TURN_REWARDS
 from lppo.validation import SettingError
 

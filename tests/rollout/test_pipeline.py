@@ -17,7 +17,7 @@ from _async_helpers import (
 )
 
 from lppo.errors import IterationError
-from lppo.hooks import PPOCallback
+from lppo.iteration.hooks import PPOCallback
 from lppo.rollout import InlineRunner, ProcessRunner
 from lppo.rollout.pipeline import RolloutPipeline
 

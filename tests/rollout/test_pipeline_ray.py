@@ -9,13 +9,13 @@ from _async_helpers import fit as async_fit
 from _tq import RAY, tq_store
 
 from lppo.config import PPOConfig
-from lppo.data import ReplayDataModule
+from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
 from lppo.replay import MemoryReplayStore
 from lppo.rollout import InlineRunner, ProcessRunner, RayWorkersEngine, ThreadRunner
-from lppo.system import PPOSystem, RolloutSettings
+from lppo.run.system import PPOSystem, RolloutSettings
+from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
-from lppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from _async_helpers import RecordRows, assert_same, fit, params, read_rows
 
-from lppo.checkpointing import ROLLOUTS_KEY, TMP_MARK
+from lppo.run.checkpointing import ROLLOUTS_KEY, TMP_MARK
 from lppo.tasks import DatasetTask
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ BOUND_S = 600
 
 def lppo_fit(root: Path, staleness: int, *extra: str) -> list[str]:
     """The command line of ``lppo fit`` with lag ``staleness``, recording rows to root/rows."""
-    code = "from lppo.cli import main; main()"
+    code = "from lppo.run.cli import main; main()"
     args = ["--trainer.default_root_dir", str(root)]
     args += ["--model.rollout.max_staleness", str(staleness)]
     args += ["--trainer.callbacks+=_async_helpers.RecordRows"]

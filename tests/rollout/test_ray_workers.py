@@ -12,10 +12,11 @@ import pytest
 import torch
 from _tq import RAY, ray_processes
 
-from lppo.models import HFCausalLM
+from lppo.iteration.score_phase import rollout_stats
 from lppo.modules import ActorModule
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.parallel import SINGLE
-from lppo.ray_runtime import configure_ray
 from lppo.replay import MemoryReplayStore
 from lppo.replay.rollout_rows import RowRules, put_rollout
 from lppo.rollout import (
@@ -26,11 +27,10 @@ from lppo.rollout import (
     score,
     to_rollout,
 )
-from lppo.rollout.ray_workers import RayWorkersEngine, RolloutWorkerError
+from lppo.rollout.ray_workers.engine import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import derive_seed
-from lppo.score_phase import rollout_stats
+from lppo.runtime.ray_runtime import configure_ray
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 TASK = CopyTask()
 TOK = build_char_tokenizer(TASK.vocabulary())

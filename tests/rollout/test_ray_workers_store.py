@@ -19,16 +19,16 @@ from lppo.callbacks import lifecycle
 from replay.test_transfer_queue import catalog_rows, tq_keys
 
 from lppo.config import PPOConfig
-from lppo.controller import PPOController
-from lppo.data import ReplayDataModule
 from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.errors import IterationError
 from lppo.estimators import GAE
-from lppo.hooks import PPOCallback
-from lppo.models import HFCausalLM
+from lppo.iteration.controller import PPOController
+from lppo.iteration.data import ReplayDataModule
+from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.parallel import ProcessGroup
-from lppo.ray_runtime import configure_ray
 from lppo.replay import MemoryReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout
 from lppo.rollout import (
@@ -38,11 +38,11 @@ from lppo.rollout import (
     RolloutSource,
     RolloutWorkerError,
 )
-from lppo.rollout.ray_workers import RayWorkersEngine
-from lppo.system import PPOSystem
+from lppo.rollout.ray_workers.engine import RayWorkersEngine
+from lppo.run.system import PPOSystem
+from lppo.run.trainer import PPOTrainer
+from lppo.runtime.ray_runtime import configure_ray
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
-from lppo.trainer import PPOTrainer
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, RESPONSE_MASK, REWARD, IterationResult
 from lppo.validation import SettingError
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from lppo import interrupts
 from lppo.config import PPOConfig
-from lppo.interrupts import RunInterrupted
 from lppo.rollout.reward_call import RewardRaised, RewardTimeout, call_reward
+from lppo.run import interrupts
+from lppo.run.interrupts import RunInterrupted
 from lppo.validation import SettingError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def lppo_fit(root: Path, mode: str, *extra: str) -> subprocess.Popen[str]:
     args += ["2", "--trainer.default_root_dir", str(root), "--model.task", json.dumps(task)]
     tests = str(ROOT / "tests")
     env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{ROOT}", "HF_HUB_OFFLINE": "1"}
-    code = "from lppo.cli import main; main()"
+    code = "from lppo.run.cli import main; main()"
     return subprocess.Popen(
         [sys.executable, "-c", code, "fit", *args, *extra],
         env=env,

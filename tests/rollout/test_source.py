@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from lppo.errors import IterationError
-from lppo.models import HFCausalLM
 from lppo.modules import ActorModule
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.parallel import ProcessGroup
 from lppo.replay import MemoryReplayStore, ReplayStore
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.rollout import HFGenerateEngine, RolloutSettings, RolloutSource
 from lppo.rollout.source import derive_seed, prompt_blocks, rank_share
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 from lppo.types import GEN_LOGPROBS, INPUT_IDS, REWARD, Rollout
 
 TASK = CopyTask()

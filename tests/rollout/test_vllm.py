@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-from lppo.models import HFCausalLM
 from lppo.modules import shifted_logprobs
+from lppo.modules.models import HFCausalLM
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import RolloutSettings, VLLMEngine
-from lppo.rollout.vllm import import_vllm
+from lppo.rollout.vllm.engine import import_vllm
 from lppo.tasks import CopyTask
 from lppo.tasks.base import Prompt
-from lppo.tokenizer import build_char_tokenizer
 
 for key, value in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -15,9 +15,9 @@ import torch
 from test_vllm import LOGPROB_BOUND, build_policy, trainer_logprobs
 
 from lppo.envs.base import Observation, Turn
+from lppo.modules.tokenizer import build_char_tokenizer
 from lppo.rollout import MultiTurnEngine, RolloutSettings, VLLMEngine
 from lppo.tasks import CopyTask
-from lppo.tokenizer import build_char_tokenizer
 
 OBSERVATION = "ab="
 

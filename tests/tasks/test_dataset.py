@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from lppo.cli import run
+from lppo.run.cli import run
 from lppo.tasks import DatasetTask, Prompt
 from lppo.tasks.verifiers import ExactMatch, NumericAnswer, Verifier, extract_number
 
@@ -420,7 +420,7 @@ def test_a_json_array_file_names_the_1_based_row(tmp_path: Path) -> None:
 def test_the_numeric_verifier_keeps_its_gsm8k_marker_through_lppo_fit() -> None:
     """jsonargparse read the default ``"####"`` of ``marker: str | None`` as ``null``."""
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "lppo.cli", "fit", "--config", "configs/dataset.yaml"]
+    command = [sys.executable, "-m", "lppo.run.cli", "fit", "--config", "configs/dataset.yaml"]
     done = subprocess.run(
         [*command, "--print_config"], cwd=root, capture_output=True, text=True, timeout=300
     )

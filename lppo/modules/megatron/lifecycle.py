@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from lppo.layouts.base import ParallelContext
 from lppo.modules.lifecycle import ChunkResult
 from lppo.modules.megatron.full_state import install_optimizer_hooks
-from lppo.parallel import ParallelContext
 from lppo.types import Chunk
 from lppo.validation import SettingError
 
@@ -150,7 +150,7 @@ class MegatronLifecycle:
                 f"{ctx.data.size} data- x {ctx.tensor.size} tensor-parallel rank(s) but "
                 f"megatron-core's groups are {own.data.size} x {own.tensor.size} "
                 "(trainer.devices x trainer.num_nodes / tensor_parallel_size). Take the "
-                "groups from lppo.strategy.parallel_context (as lppo fit does)."
+                "groups from lppo.runtime.strategy.parallel_context (as lppo fit does)."
             )
         self.__dict__["_lppo_parallel"] = ctx
 

@@ -1,7 +1,7 @@
 """``MegatronGPT``: a megatron-core ``GPTModel`` built from a Hugging Face Llama, and back.
 
 The model always starts from Hugging Face weights (a checkpoint, or the random Llama an
-:class:`~lppo.models.HFCausalLM` spec builds from its seed), converted with
+:class:`~lppo.modules.models.HFCausalLM` spec builds from its seed), converted with
 :mod:`lppo.modules.megatron.convert` and sharded over the tensor-parallel group. So a random
 megatron model equals the Hugging Face one of the same spec, and every tensor-parallel size
 starts from the same weights.
@@ -16,8 +16,8 @@ import torch
 import transformers
 from torch import nn
 
+from lppo.layouts.base import ParallelContext
 from lppo.layouts.megatron import MegatronLayout
-from lppo.models import HFCausalLM
 from lppo.modules.megatron.convert import (
     AttentionShape,
     hf_to_megatron,
@@ -27,7 +27,8 @@ from lppo.modules.megatron.convert import (
     unshard,
 )
 from lppo.modules.megatron.full_state import install_model_hooks
-from lppo.parallel import ParallelContext, ProcessGroup
+from lppo.modules.models import HFCausalLM
+from lppo.parallel import ProcessGroup
 from lppo.validation import check_number
 
 _EXTRA = (

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lppo.models import HFCausalLM
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.megatron import MegatronActor, MegatronCritic, MegatronGPT
+from lppo.modules.models import HFCausalLM
 
 VOCAB = 24  # even: splits over 2 tensor-parallel ranks
 #: vocab, pad, bos, eos. The pad id never occurs in the rows (ids < 23): HF embeddings have

@@ -9,7 +9,6 @@ from _mbuilders import IDS, VOCAB, hf_spec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lppo.models import HFCausalLM
 from lppo.modules.megatron import MegatronGPT
 from lppo.modules.megatron.convert import (
     AttentionShape,
@@ -19,6 +18,7 @@ from lppo.modules.megatron.convert import (
     unshard,
 )
 from lppo.modules.megatron.lifecycle import causal_inputs
+from lppo.modules.models import HFCausalLM
 from lppo.parallel import SINGLE
 from lppo.types import Chunk
 

@@ -1,6 +1,6 @@
 """``lppo fit`` over data x tensor parallelism: megatron's groups become the run's groups.
 
-The fits run ``tests/megatron_fit_worker.py`` (the megatron CPU shims, then ``lppo.cli``) in
+The fits run ``tests/megatron_fit_worker.py`` (the megatron CPU shims, then ``lppo.run.cli``) in
 subprocesses: Lightning re-runs the launching command for ranks 1..N-1, which must not be
 pytest's.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 from _ports import next_port
 
-from lppo.cli import run
+from lppo.run.cli import run
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "megatron_fit_worker.py"

@@ -79,7 +79,7 @@ def test_bench_runs_every_variant():
 
 
 def test_megatron_config_fits_on_the_gpu(tmp_path):
-    from lppo.cli import run
+    from lppo.run.cli import run
 
     run(
         [

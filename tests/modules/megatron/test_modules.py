@@ -12,13 +12,13 @@ from _mbuilders import VOCAB, main_grads, make, make_hf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lppo.chunks import iter_chunks
-from lppo.data_settings import DataSettings
+from lppo.iteration.chunks import iter_chunks
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.planner import ChunkPlanner
 from lppo.modules.megatron import MegatronActor, MegatronCritic
 from lppo.modules.megatron.model import require_megatron
 from lppo.modules.megatron.ops import vocab_parallel_logprobs
 from lppo.parallel import SINGLE
-from lppo.planner import ChunkPlanner
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES
 
 NAMES = {"actor": [OLD_LOGPROBS, ADVANTAGES], "critic": [VALUES, RETURNS]}
@@ -294,7 +294,8 @@ def test_groups_of_another_layout_or_size_are_refused_at_setup():
     """A megatron module takes ppo_megatron's groups of megatron's sizes; checked when the
     controller hands the module its groups (setup), not at the first step after a rollout."""
     from lppo.layouts import MegatronLayout
-    from lppo.parallel import ParallelContext, ProcessGroup
+    from lppo.layouts.base import ParallelContext
+    from lppo.parallel import ProcessGroup
     from lppo.validation import SettingError
 
     module = make("actor")

@@ -29,10 +29,10 @@ import _megatron_cpu  # noqa: E402
 from _builders import filled_store, random_rows  # noqa: E402
 from _mbuilders import make  # noqa: E402
 
-from lppo.chunks import iter_chunks, read_chunk  # noqa: E402
-from lppo.data_settings import DataSettings  # noqa: E402
+from lppo.iteration.chunks import iter_chunks, read_chunk  # noqa: E402
+from lppo.iteration.data_settings import DataSettings  # noqa: E402
+from lppo.iteration.planner import ChunkPlanner  # noqa: E402
 from lppo.modules.megatron.convert import unshard  # noqa: E402
-from lppo.planner import ChunkPlanner  # noqa: E402
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES  # noqa: E402
 
 NAMES = {"actor": [OLD_LOGPROBS, ADVANTAGES], "critic": [VALUES, RETURNS]}

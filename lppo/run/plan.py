@@ -1,0 +1,254 @@
+"""The run plan: every ``auto`` setting and every rule across setting groups, decided once.
+
+:meth:`PPOSystem.configure_model <lppo.run.system.PPOSystem.configure_model>` reads
+build → plan → wire. Once the models are built (and the run's precision, layout and data
+settings known), :meth:`RunPlan.resolve` asks each component what it can do and what stops it
+and decides, in this order:
+
+1. the rules across setting groups (staleness × layout, dynamic sampling × fixed rows per
+   rank, failure budget × data parallelism, overlong shaping × response length);
+2. the runner (``model.runner: null``) from the staleness and the engine's capabilities;
+3. ``trim_prompt`` under a layout that shards the weights;
+4. the producer of each column: old values (score phase or the critic's first epoch) and π_old
+   (the actor's first epoch, the engine, or a separate pass), at the run's final dtype;
+5. the actor's off-policy correction for stale rows;
+6. the score-chunk budget.
+
+Components that resolve an ``auto`` of their own while being wired (an engine's cache and
+prefill against the policy's layers) report it through :func:`lppo.decisions.note`; the plan
+collects those too, logs every decision in one block, and is saved in checkpoints, where a
+resumed run's plan is compared with the saved one (:func:`plan_changes`). The controller, the
+rollout pipeline, the engine and the modules receive what the plan decided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from lppo.config import PPOConfig
+from lppo.decisions import Decision, note
+from lppo.estimators import AdvantageEstimator
+from lppo.iteration.critic_targets import resolve_old_values
+from lppo.iteration.data_settings import DataSettings
+from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
+from lppo.layouts.base import ParallelContext
+from lppo.modules import ActorModule, CriticModule, RewardModel
+from lppo.modules.tail import switch_off_under_sharding
+from lppo.rollout.base import RolloutEngine, RolloutSettings
+from lppo.rollout.capabilities import capabilities_of
+from lppo.rollout.pipeline import default_runner, stale_correction
+from lppo.rollout.runners import RolloutRunner
+from lppo.validation import SettingError
+
+__all__ = ["PLAN_KEY", "RunParts", "RunPlan", "plan_changes", "resolve_columns"]
+
+#: Checkpoint key of the saved plan (``{key: {"setting": ..., "value": ...}}``).
+PLAN_KEY = "lppo_run_plan"
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What the plan decides for: the built components and the run's facts.
+
+    Attributes:
+        actor: the policy, built (``configure_model`` done).
+        critic: the value model, built (``None``: critic-free).
+        reference: the frozen reference policy (``None``: none needed).
+        reward_model: a learned reward, built.
+        engine: the rollout engine (not yet set up).
+        estimator: the advantage estimator.
+        ppo: ``model.ppo`` as configured.
+        rollout: ``model.rollout``.
+        data: the data module's settings.
+        runner: ``model.runner`` as configured (``None``: the plan picks).
+        parallel: the run's process groups and layout.
+        precision: ``trainer.precision`` (the dtype the models will compute in).
+        strategy: the trainer's strategy class name (a fact, recorded).
+    """
+
+    actor: ActorModule
+    critic: CriticModule | None
+    reference: ActorModule | None
+    reward_model: RewardModel | None
+    engine: RolloutEngine
+    estimator: AdvantageEstimator
+    ppo: PPOConfig
+    rollout: RolloutSettings
+    data: DataSettings
+    runner: RolloutRunner | None
+    parallel: ParallelContext
+    precision: str = "32-true"
+    strategy: str = "SingleDeviceStrategy"
+
+
+@dataclass
+class RunPlan:
+    """Every setting of a run resolved, with the reasons.
+
+    Attributes:
+        ppo: ``model.ppo`` with ``old_logprobs`` and ``old_values`` resolved (the controller's).
+        runner: where rollouts are generated.
+        score_chunk_tokens: the score phase's padded-token budget per chunk.
+        decisions: every decision, in the order made (components add theirs while wired).
+    """
+
+    ppo: PPOConfig
+    runner: RolloutRunner
+    score_chunk_tokens: int
+    decisions: list[Decision] = field(default_factory=list)
+
+    @classmethod
+    def resolve(cls, parts: RunParts) -> RunPlan:
+        """Decide everything for ``parts`` (steps 1–6 of the module docstring).
+
+        Decisions are reported through :func:`~lppo.decisions.note`: call it inside
+        :func:`~lppo.decisions.collecting` and give the collected list to the plan.
+
+        Raises:
+            SettingError: a rule across setting groups is broken, or an explicit setting
+                would not be exact here (each message names the keys and the fix).
+        """
+        _check_rules(parts)
+        runner = _runner(parts)
+        layout = parts.parallel.layout
+        if layout.shards_weights():
+            modules = (parts.actor, parts.critic, parts.reference)
+            switch_off_under_sharding(modules, type(layout).__name__)
+        ppo = resolve_columns(parts.ppo, parts.estimator, parts.actor, parts.critic, parts)
+        parts.actor.off_policy = _off_policy(parts, ppo)
+        score = parts.data.score_budget
+        why = "" if parts.data.max_tokens_per_score_chunk is not None else "the training budget"
+        if parts.data.max_tokens_per_score_chunk == "auto":
+            why = f"{score // parts.data.max_tokens_per_chunk} x data.max_tokens_per_chunk"
+        setting = str(parts.data.max_tokens_per_score_chunk)
+        note("data.max_tokens_per_score_chunk", str(score), why, setting)
+        note("trainer.strategy", parts.strategy, type(layout).__name__, setting="")
+        return cls(ppo, runner, score)
+
+    def log(self) -> None:
+        """Log every decision as one block (rank zero)."""
+        width = max((len(d.key) for d in self.decisions), default=0)
+        lines = [_row(d, width) for d in self.decisions]
+        rank_zero_info(
+            "lppo run plan (every auto decided once, before the first iteration):\n"
+            + "\n".join(lines)
+        )
+
+    def state_dict(self) -> dict[str, dict[str, str]]:
+        """The decisions, by key, as saved in checkpoints (the last decision of a key wins)."""
+        return {d.key: {"setting": d.setting, "value": d.value} for d in self.decisions}
+
+
+def _row(decision: Decision, width: int) -> str:
+    given = "" if decision.setting in ("", "auto") else f"  [set: {decision.setting}]"
+    why = f"  ({decision.reason})" if decision.reason else ""
+    return f"  {decision.key:<{width}}  {decision.value}{given}{why}"
+
+
+def resolve_columns(
+    config: PPOConfig,
+    estimator: AdvantageEstimator,
+    actor: ActorModule,
+    critic: CriticModule | None,
+    parts: RunParts | None = None,
+) -> PPOConfig:
+    """``config`` with the producers of old values and π_old decided (step 4).
+
+    With ``parts`` (a run) the engine is asked whether its log-probs are π_old at the run's
+    final dtype, and told to return them when it is picked; without (a controller built on its
+    own) no engine is known and π_old comes from the first actor epoch or a separate pass.
+    """
+    config = resolve_old_values(config, estimator, critic)
+    obstacles = None
+    if parts is not None:
+        rows = RowSource(
+            staleness=parts.rollout.max_staleness,
+            precision=parts.precision,
+            shards_weights=parts.parallel.layout.shards_weights(),
+        )
+        obstacles = engine_obstacles(parts.engine, actor, config, rows)
+    config = resolve_old_logprobs(config, estimator, actor, obstacles)
+    if config.old_logprobs == "engine" and parts is not None:
+        enable = capabilities_of(parts.engine).enable_policy_logprobs
+        assert enable is not None  # engine_obstacles found the capability
+        enable()
+    return config
+
+
+def _check_rules(parts: RunParts) -> None:
+    """Step 1: the rules that span setting groups (each refusal names the keys and the fix)."""
+    r, data = parts.rollout, parts.data
+    if r.dynamic_sampling_rounds and data.fixed_rows_per_rank:
+        raise SettingError(
+            f"model.rollout.dynamic_sampling_rounds={r.dynamic_sampling_rounds} with "
+            "data.fixed_rows_per_rank=true: dynamic sampling keeps a varying number of rows "
+            "per rank; set one of them off."
+        )
+    size = parts.parallel.data.size
+    if size > 1 and parts.ppo.max_failed_iterations:
+        raise SettingError(
+            f"model.ppo.max_failed_iterations={parts.ppo.max_failed_iterations} under data "
+            f"parallelism ({size} ranks): a failure on one rank would leave the others waiting "
+            "in a collective; set it to 0."
+        )
+    parts.ppo.row_rules(r.max_new_tokens)  # overlong shaping fits the response length
+
+
+def _runner(parts: RunParts) -> RolloutRunner:
+    """Step 2: ``model.runner`` (``null``: from the staleness and the engine's capabilities)."""
+    r = parts.rollout
+    runner = parts.runner or default_runner(r.max_staleness, parts.engine)
+    layout = parts.parallel.layout
+    if layout.shards_weights() and (r.max_staleness or not runner.live_weights):
+        raise SettingError(
+            f"trainer.strategy shards the weights ({type(layout).__name__}) but "
+            f"model.rollout.max_staleness={r.max_staleness} with runner "
+            f"{type(runner).__name__} generates outside the training step; use "
+            "max_staleness: 0 and the default runner, or trainer.strategy=ppo_ddp."
+        )
+    name = type(runner).__name__
+    if parts.runner is not None:
+        note("model.runner", name, setting=name)
+    else:
+        why = "generates in the trainer" if not r.max_staleness else "generates ahead"
+        note("model.runner", name, f"model.rollout.max_staleness={r.max_staleness}: {why}")
+    return runner
+
+
+def _off_policy(parts: RunParts, ppo: PPOConfig) -> Any:
+    """Step 5: the actor's off-policy correction (truncated importance weights for stale rows)."""
+    given = parts.actor.off_policy
+    resolved = stale_correction(parts.rollout, ppo.old_logprobs, given)
+    key = "model.actor.init_args.off_policy.mode"
+    why = f"model.rollout.max_staleness={parts.rollout.max_staleness}"
+    note(key, resolved.mode, why if given.mode == "auto" else "", given.mode)
+    return resolved
+
+
+def plan_changes(saved: dict[str, dict[str, str]], current: RunPlan) -> list[str]:
+    """Decisions of ``auto`` that resolve otherwise on resume, the settings being the same.
+
+    A setting changed on resume is judged by :func:`lppo.run.checkpointing.settings_changes`;
+    here only an ``auto`` kept ``auto`` is compared, since its value sets what the run computes
+    (π_old's producer, the runner, the off-policy correction…).
+
+    Returns:
+        Lines ``key: auto -> old, now new`` (empty: the plans agree).
+    """
+    out = []
+    for key, now in current.state_dict().items():
+        before = saved.get(key)
+        if before is None or before["setting"] != "auto" or now["setting"] != "auto":
+            continue
+        if before["value"] != now["value"]:
+            out.append(f"{key}: auto was {before['value']!r}, now {now['value']!r}")
+    return out
+
+
+def with_decisions(plan: RunPlan, decisions: list[Decision]) -> RunPlan:
+    """``plan`` holding ``decisions`` (every note of build → plan → wire)."""
+    return dataclasses.replace(plan, decisions=decisions)
