@@ -37,8 +37,8 @@ from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.models import HFCausalLM
 from lppo.modules.tokenizer import build_char_tokenizer
+from lppo.reports import EpisodeReport
 from lppo.rollout.source import put_samples
-from lppo.run.reports import EpisodeReport
 from lppo.tasks import CopyTask
 from lppo.types import TURN_REWARDS, Rollout
 

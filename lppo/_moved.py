@@ -43,7 +43,6 @@ MOVED: dict[str, str] = {
     "lppo.checkpointing": "lppo.run.checkpointing",
     "lppo.interrupts": "lppo.run.interrupts",
     "lppo.run_log": "lppo.run.log",
-    "lppo.reports": "lppo.run.reports",
     "lppo.export": "lppo.run.export",
     "lppo.strategy": "lppo.runtime.strategy",
     "lppo.ray_runtime": "lppo.runtime.ray_runtime",

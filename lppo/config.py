@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 from lppo.algorithms.kl import KLKind
 from lppo.decisions import note
+from lppo.iteration.columns import PI_OLD
 from lppo.replay.rollout_rows import RowRules
 from lppo.validation import SettingError, check_number
 
@@ -172,11 +173,9 @@ class PPOConfig:
 
     def _check_producers(self) -> None:
         # Whether a producer is exact here depends on the modules too: lppo.run.plan decides.
-        if self.old_logprobs not in ("auto", "recompute", "actor", "engine", "rollout"):
-            raise SettingError(
-                f"model.ppo.old_logprobs={self.old_logprobs!r}; use 'auto', 'recompute', "
-                "'actor', 'engine' or 'rollout'."
-            )
+        if self.old_logprobs != "auto" and self.old_logprobs not in PI_OLD:
+            names = ", ".join(repr(n) for n in ("auto", *PI_OLD))
+            raise SettingError(f"model.ppo.old_logprobs={self.old_logprobs!r}; use one of {names}.")
         if self.old_values not in ("auto", "score", "critic"):
             raise SettingError(
                 f"model.ppo.old_values={self.old_values!r}; use 'auto', 'score' or 'critic'."

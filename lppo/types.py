@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from lppo.run.reports import EpisodeReport, SamplingReport
+from lppo.reports import EpisodeReport, SamplingReport
 
 # Names of the columns lppo itself reads and writes in a replay store.
 INPUT_IDS = "input_ids"

@@ -34,6 +34,7 @@ from lppo.config import PPOConfig
 from lppo.errors import IterationError
 from lppo.estimators import GAE, AdvantageEstimator, EstimatorInputs
 from lppo.iteration.balance import balance_metrics
+from lppo.iteration.columns import pi_old
 from lppo.iteration.critic_targets import AdvantagePhase, FirstEpochTargets
 from lppo.iteration.data import ReplayDataModule
 from lppo.iteration.hooks import IterationContext, PPOCallback, abort_all
@@ -49,12 +50,6 @@ from lppo.replay.rollout_rows import StoredRollout
 from lppo.run.log import RunLog
 from lppo.run.plan import RunPlan, resolve_columns
 from lppo.types import (
-    ADVANTAGES,
-    GEN_LOGPROBS,
-    OLD_LOGPROBS,
-    REF_LOGPROBS,
-    RETURNS,
-    VALUES,
     GenerationReport,
     IterationResult,
     RolloutStats,
@@ -240,7 +235,7 @@ class PPOController:
         )
         targets = self.advantages.start(inputs, stats)
         old_policy = None
-        if cfg.old_logprobs == "actor":  # π_old: the actor's first epoch computes it
+        if pi_old(cfg.old_logprobs).stage == "first_epoch":  # the first epoch computes π_old
             old_policy = FirstEpochLogprobs(self.data.store, step, self.actor.off_policy, group)
         clock = _lap(seconds, "advantages", clock)
 
@@ -340,11 +335,7 @@ class PPOController:
             The plans' padding fraction, mean over the epochs.
         """
         phase, module, epochs, minibatches = what
-        names = [VALUES, RETURNS] if phase == "critic" else [OLD_LOGPROBS, ADVANTAGES]
-        if phase == "actor" and self.actor.off_policy.enabled:
-            names.append(GEN_LOGPROBS)
-        if phase == "actor" and self.actor.needs_reference:
-            names.append(REF_LOGPROBS)
+        names = module.reads()  # the columns its chunks stream (declared by the module)
         padding = 0.0
         for epoch in range(epochs):
             ctx.phase, ctx.epoch, ctx.minibatch, ctx.chunk = phase, epoch, -1, -1

@@ -161,7 +161,8 @@ def resolve_old_logprobs(
             message names each obstacle).
     """
     mode = config.old_logprobs
-    if mode in ("recompute", "rollout") or (mode == "engine" and engine is None):
+    # recompute, rollout and registered producers are taken as given; actor and engine checked
+    if mode not in ("auto", "actor", "engine") or (mode == "engine" and engine is None):
         note("model.ppo.old_logprobs", mode, setting=mode)
         return config
     engine = [NO_ENGINE] if engine is None else engine

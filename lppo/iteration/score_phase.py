@@ -16,6 +16,7 @@ import torch
 
 from lppo.config import PPOConfig
 from lppo.iteration.chunks import unpad
+from lppo.iteration.columns import pi_old, score_reads
 from lppo.iteration.data import ReplayDataModule
 from lppo.iteration.hooks import IterationContext
 from lppo.iteration.mismatch import Mismatch
@@ -32,7 +33,6 @@ from lppo.types import (
     RM_SCORE,
     TASK_REWARD,
     VALUES,
-    Chunk,
     EpisodeReport,
     RolloutStats,
     SamplingReport,
@@ -124,36 +124,36 @@ class ScorePhase:
         self.reference = reference
         self.reward_model = reward_model
         self.data = data
-        #: Where this phase takes π_old from: the actor's forward pass (``recompute``), the
-        #: engine's sampling log-probs (``rollout``) or the ones the engine put with the rows
-        #: (``engine``); with ``actor`` the first epoch takes it, and this phase does nothing.
-        self.old_logprobs = config.old_logprobs if config.old_logprobs != "actor" else None
+        #: π_old's producer (:mod:`lppo.iteration.columns`); ``None`` when the actor's first
+        #: epoch writes it (this phase then writes no π_old).
+        producer = pi_old(config.old_logprobs)
+        self.pi_old = producer if producer.stage != "first_epoch" else None
         self.group = group
 
     @property
     def models(self) -> list[torch.nn.Module]:
         """The modules whose forwards this phase runs (each rank its own number of them)."""
-        actor = self.actor if self.old_logprobs == "recompute" else None
+        actor = self.actor if self.pi_old is not None and self.pi_old.runs_actor else None
         found = (actor, self.critic, self.reference, self.reward_model)
         return [m for m in found if m is not None]
 
     @torch.no_grad()
     def run(self, ctx: IterationContext, step: StepPlan) -> dict[str, float]:
         """Score this rank's rows (``step``: the whole phase as one step); return metrics."""
-        if not self.models and self.old_logprobs is None:
+        if not self.models and self.pi_old is None:
             return {}  # old_logprobs: actor, and nothing else to score
         scores: dict[int, float] = {}
         mismatch = Mismatch()
-        wanted = [GEN_LOGPROBS, OLD_LOGPROBS] if self.old_logprobs == "engine" else [GEN_LOGPROBS]
+        wanted = score_reads(self.pi_old) if self.pi_old is not None else [GEN_LOGPROBS]
         for c, chunk in enumerate(self.data.stream(step, wanted)):
             if chunk.is_padding:
                 continue
             ctx.chunk = c
             columns = {}
-            if self.old_logprobs is not None:
+            if self.pi_old is not None:
                 gen = chunk.gen_logprobs
                 assert gen is not None
-                old = self._old_logprobs(chunk, gen)
+                old = self.pi_old.from_chunk(chunk, self.actor)
                 # old_logprobs=rollout: π_old is μ, the mismatch (every IS weight) is 0 (1).
                 mismatch.add(old.cpu(), gen, chunk.response_mask, self.actor.off_policy)
                 columns[OLD_LOGPROBS] = unpad(chunk, old)
@@ -167,29 +167,12 @@ class ScorePhase:
             self.data.store.write(chunk.row_ids, columns)
         ctx.chunk = -1
         stats = {}
-        if self.old_logprobs is not None:  # else the actor's first epoch measures it
+        if self.pi_old is not None:  # else the actor's first epoch measures it
             mismatch.all_reduce(self.group)  # each rank scored only its own rows
             stats = mismatch.metrics()
         if self.reward_model is not None:
             stats.update(self.combine_rewards(self.reward_model, scores))
         return stats
-
-    def _old_logprobs(self, chunk: Chunk, gen: torch.Tensor) -> torch.Tensor:
-        """π_old ``float[B, T]`` of a chunk, 0 off the response mask (as ``actor.score``).
-
-        Args:
-            chunk: a score chunk (with ``old_logprobs`` under ``engine``).
-            gen: ``float[B, T]`` the engine's sampling log-probs of the chunk.
-        """
-        if self.old_logprobs == "recompute":
-            return self.actor.score(chunk)
-        given = gen if self.old_logprobs == "rollout" else chunk.old_logprobs
-        if given is None:
-            raise RuntimeError(
-                "model.ppo.old_logprobs=engine: a row came without the engine's π_old "
-                "(GenerationOutput.policy_logprobs); the engine was not asked for them."
-            )
-        return torch.where(chunk.response_mask, given, torch.zeros_like(given))
 
     def combine_rewards(self, model: RewardModel, scores: dict[int, float]) -> dict[str, float]:
         """Replace each scored row's reward by the reward model's combination (row scalars).

@@ -17,7 +17,7 @@ from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.stats import SumStats
-from lppo.types import Chunk
+from lppo.types import ADVANTAGES, GEN_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS, Chunk
 from lppo.validation import SettingError, check_number
 
 if TYPE_CHECKING:
@@ -223,6 +223,12 @@ class ActorModule(PPOModule):
         finally:
             self.train(was_training)
         return torch.where(chunk.response_mask, logprobs, torch.zeros_like(logprobs))
+
+    def reads(self) -> list[str]:
+        """π_old, advantages; μ's log-probs (off-policy correction), the reference's (KL loss)."""
+        names = [OLD_LOGPROBS, ADVANTAGES]
+        names += [GEN_LOGPROBS] if self.off_policy.enabled else []
+        return names + ([REF_LOGPROBS] if self.needs_reference else [])
 
     def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
         """Policy loss (``objective``), minus the entropy bonus, plus ``β·KL``, per token.

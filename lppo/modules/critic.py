@@ -12,7 +12,7 @@ from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import LoRA, check_lora, is_adapted
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.stats import SumStats
-from lppo.types import Chunk
+from lppo.types import RETURNS, VALUES, Chunk
 from lppo.validation import check_number
 
 if TYPE_CHECKING:
@@ -153,6 +153,10 @@ class CriticModule(PPOModule):
         finally:
             self.train(was_training)
         return torch.where(chunk.response_mask, v, torch.zeros_like(v))
+
+    def reads(self) -> list[str]:
+        """The old values and the returns (the clipped value loss's inputs)."""
+        return [VALUES, RETURNS]
 
     def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
         """Clipped value loss per token; records the explained-variance and range sums.

@@ -161,6 +161,10 @@ class PPOModule(RecordsInitArgs, nn.Module):
         """Parameters the optimizer updates."""
         return [p for p in self.parameters() if p.requires_grad]
 
+    def reads(self) -> list[str]:
+        """The columns (:mod:`lppo.types`) a training chunk of this module needs."""
+        raise NotImplementedError
+
     def chunk_loss(self, chunk: Chunk, sums: SumStats) -> torch.Tensor:
         """Per-token loss of ``chunk`` (``float[B, T]``, with grad); add diagnostics to ``sums``.
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lppo.replay.base import ReplayStore
-from lppo.run.reports import merge_reports
+from lppo.reports import merge_reports
 from lppo.types import (
     RESPONSE_MASK,
     REWARD,

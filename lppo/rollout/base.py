@@ -15,8 +15,8 @@ import torch
 
 from lppo.replay.base import ReplayStore
 from lppo.replay.rollout_rows import RowRules, StoredRollout
+from lppo.reports import merge_reports
 from lppo.rollout.settings import RolloutSettings
-from lppo.run.reports import merge_reports
 from lppo.tasks.base import Prompt, Task
 from lppo.types import (
     FOR_ITERATION,

@@ -27,11 +27,11 @@ import torch
 
 from lppo.envs.base import Environment, Episode, Observation, Turn
 from lppo.init_args import RecordsInitArgs
+from lppo.reports import EpisodeReport
 from lppo.rollout.base import GenerationOutput, RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import EngineCapabilities
 from lppo.rollout.source import derive_seed
 from lppo.rollout.turns import TurnEngine, TurnRequest, TurnSample
-from lppo.run.reports import EpisodeReport
 from lppo.tasks.base import Prompt
 from lppo.validation import SettingError, check_number
 

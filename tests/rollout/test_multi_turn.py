@@ -12,6 +12,7 @@ from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask
 from lppo.envs.base import Observation, Turn
 from lppo.modules.models import HFCausalLM
 from lppo.modules.tokenizer import build_char_tokenizer
+from lppo.reports import EpisodeReport
 from lppo.rollout import (
     HFGenerateEngine,
     MultiTurnEngine,
@@ -20,7 +21,6 @@ from lppo.rollout import (
     score,
     to_rollout,
 )
-from lppo.run.reports import EpisodeReport
 from lppo.tasks.base import Prompt
 from lppo.types import TURN_REWARDS
 from lppo.validation import SettingError

@@ -1,0 +1,169 @@
+"""The iteration's columns: who writes π_old, and what each phase reads for it.
+
+The rows of an iteration gain columns phase by phase (:mod:`lppo.types` names them). Modules
+declare the columns a training chunk reads (:meth:`ActorModule.reads
+<lppo.modules.ActorModule.reads>`, :meth:`CriticModule.reads <lppo.modules.CriticModule.reads>`);
+π_old (``old_logprobs``) has several producers, each declared here once as a
+:class:`PiOldProducer`: the stage that writes it (the rollout, the score phase or the actor's
+first epoch), the columns the score phase streams for it and how a score chunk gets its value.
+The run plan picks one (``model.ppo.old_logprobs``), the score phase and the controller ask it
+what to stream and run, and a new producer is one class registered with
+:func:`register_pi_old` (the plan's ``auto`` considers the built-in ones only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, Chunk
+
+__all__ = [
+    "PI_OLD",
+    "PiOldProducer",
+    "Scorer",
+    "pi_old",
+    "register_pi_old",
+]
+
+#: Where a producer writes π_old: with the rows (the engine), in the score phase, or during the
+#: actor's first epoch.
+Stage = Literal["rollout", "score", "first_epoch"]
+
+
+class Scorer(Protocol):
+    """What a producer may ask of the actor: π's log-probabilities of a chunk."""
+
+    def score(self, chunk: Chunk) -> torch.Tensor:
+        """``float[B, T]`` log-probabilities of the chunk's tokens, 0 off the response mask."""
+        ...
+
+
+class PiOldProducer(Protocol):
+    """One way the iteration gets π_old (``model.ppo.old_logprobs: <name>``).
+
+    Attributes:
+        name: the setting's value.
+        stage: where π_old is written (``first_epoch``: the controller hands the actor's first
+            epoch a recorder, :class:`~lppo.iteration.old_logprobs.FirstEpochLogprobs`).
+        reads: the columns a score chunk needs for it, besides ``gen_logprobs`` (the score
+            phase always measures the engine/trainer mismatch against those).
+        runs_actor: the score phase runs the actor's forward pass for it.
+    """
+
+    name: str
+    stage: Stage
+    reads: tuple[str, ...]
+    runs_actor: bool
+
+    def from_chunk(self, chunk: Chunk, actor: Scorer) -> torch.Tensor:
+        """π_old ``float[B, T]`` of a score chunk, 0 off the response mask (as ``actor.score``)."""
+        ...
+
+
+def _masked(chunk: Chunk, given: torch.Tensor) -> torch.Tensor:
+    return torch.where(chunk.response_mask, given, torch.zeros_like(given))
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """π_old from a separate actor forward pass in the score phase (``recompute``)."""
+
+    name: str = "recompute"
+    stage: Stage = "score"
+    reads: tuple[str, ...] = ()
+    runs_actor: bool = True
+
+    def from_chunk(self, chunk: Chunk, actor: Scorer) -> torch.Tensor:
+        """The actor's own log-probabilities of the chunk."""
+        return actor.score(chunk)
+
+
+@dataclass(frozen=True)
+class FromEngine:
+    """π's log-probs the engine computed while sampling, put with the rows (``engine``)."""
+
+    name: str = "engine"
+    stage: Stage = "rollout"
+    reads: tuple[str, ...] = (OLD_LOGPROBS,)
+    runs_actor: bool = False
+
+    def from_chunk(self, chunk: Chunk, actor: Scorer) -> torch.Tensor:
+        """The column the engine wrote, masked.
+
+        Raises:
+            RuntimeError: a row came without it (the engine was not asked for them).
+        """
+        if chunk.old_logprobs is None:
+            raise RuntimeError(
+                "model.ppo.old_logprobs=engine: a row came without the engine's π_old "
+                "(GenerationOutput.policy_logprobs); the engine was not asked for them."
+            )
+        return _masked(chunk, chunk.old_logprobs)
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """π_old taken to be the behaviour policy μ, the engine's sampling log-probs (``rollout``)."""
+
+    name: str = "rollout"
+    stage: Stage = "rollout"
+    reads: tuple[str, ...] = ()
+    runs_actor: bool = False
+
+    def from_chunk(self, chunk: Chunk, actor: Scorer) -> torch.Tensor:
+        """The sampling log-probabilities, masked (every importance weight is then 1)."""
+        assert chunk.gen_logprobs is not None
+        return _masked(chunk, chunk.gen_logprobs)
+
+
+@dataclass(frozen=True)
+class FirstEpoch:
+    """π_old from the actor's first epoch, before its first step changes it (``actor``)."""
+
+    name: str = "actor"
+    stage: Stage = "first_epoch"
+    reads: tuple[str, ...] = ()
+    runs_actor: bool = False
+
+    def from_chunk(self, chunk: Chunk, actor: Scorer) -> torch.Tensor:
+        """Never called: the score phase writes nothing for this producer."""
+        raise RuntimeError("old_logprobs=actor: π_old is written in the actor's first epoch")
+
+
+#: Every π_old producer, by ``model.ppo.old_logprobs`` value.
+PI_OLD: dict[str, PiOldProducer] = {
+    p.name: p for p in (Recompute(), FromEngine(), Behaviour(), FirstEpoch())
+}
+
+
+def register_pi_old(producer: PiOldProducer) -> None:
+    """Make ``producer`` selectable as ``model.ppo.old_logprobs: <producer.name>``.
+
+    Raises:
+        ValueError: the name is taken (or is ``auto``).
+    """
+    if producer.name in PI_OLD or producer.name == "auto":
+        raise ValueError(f"a π_old producer named {producer.name!r} exists already")
+    PI_OLD[producer.name] = producer
+
+
+def pi_old(name: str) -> PiOldProducer:
+    """The producer of ``model.ppo.old_logprobs: name`` (resolved: not ``auto``).
+
+    Raises:
+        ValueError: naming the registered producers.
+    """
+    if name not in PI_OLD:
+        raise ValueError(
+            f"model.ppo.old_logprobs={name!r} is not resolved to a producer; one of "
+            f"{', '.join(sorted(PI_OLD))} (lppo.iteration.columns)."
+        )
+    return PI_OLD[name]
+
+
+def score_reads(producer: PiOldProducer) -> list[str]:
+    """The columns the score phase streams for ``producer`` (the mismatch reads μ's too)."""
+    return [GEN_LOGPROBS, *producer.reads]
