@@ -249,22 +249,13 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
-#: Names that moved to :mod:`lppo.layouts.base` with the layout seam (imported on first use, so
-#: this module, which the seam builds on, never imports it at load).
-_MOVED_TO_LAYOUTS = frozenset(
-    {
-        "LAYOUT_ATTRIBUTE",
-        "DataParallelLayout",
-        "ParallelContext",
-        "ParallelLayout",
-        "data_parallel_context",
-        "layout_of",
-    }
-)
-
-
 def __getattr__(name: str) -> Any:
-    """``from lppo.parallel import ParallelContext`` (and the other seam names) still works."""
-    if name in _MOVED_TO_LAYOUTS:
-        return getattr(importlib.import_module("lppo.layouts.base"), name)
+    """``from lppo.parallel import ParallelContext`` (the layout seam's names) still works.
+
+    They moved to :mod:`lppo.layouts.base`, which builds on this module, so they are looked up
+    there on first use, never imported at load.
+    """
+    base = importlib.import_module("lppo.layouts.base")
+    if name in base.__all__:
+        return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

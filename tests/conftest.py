@@ -56,13 +56,24 @@ def _vllm_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """``vllm`` tests run in the vLLM environment (``bash .ci/vllm``, called by ``.ci/run``).
+    """Files with slow or multi-process tests first; ``vllm`` tests only where vLLM is.
 
-    In an environment without vLLM they are skipped; with ``LPPO_REQUIRE_VLLM=1`` (set by
+    Under ``pytest -n 2 --dist loadfile`` (CI) each worker takes whole files in this order, so
+    the long files start first and the run does not end waiting on one of them (a stable sort:
+    within each group, files keep their order).
+
+    ``vllm`` tests run in the vLLM environment (``bash .ci/vllm``, called by ``.ci/run``). In an
+    environment without vLLM they are skipped; with ``LPPO_REQUIRE_VLLM=1`` (set by
     ``.ci/vllm``) a missing vLLM fails them instead, so CI can never skip them silently.
     """
     import pytest
 
+    heavy = {
+        item.path
+        for item in items
+        if item.get_closest_marker("slow") or item.get_closest_marker("distributed")
+    }
+    items.sort(key=lambda item: item.path not in heavy)
     if _vllm_available() or os.environ.get("LPPO_REQUIRE_VLLM") == "1":
         return
     skip = pytest.mark.skip(reason="needs vLLM: runs in the vLLM venv (bash .ci/vllm)")

@@ -62,3 +62,12 @@ def test_the_wheel_holds_every_package_and_imports(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().startswith(str(unpacked))
+
+
+def test_the_layout_seam_is_still_importable_from_the_parallel_module() -> None:
+    import lppo.layouts.base as base
+    import lppo.parallel as parallel
+
+    for name in base.__all__:
+        assert getattr(parallel, name) is getattr(base, name)
+    assert not hasattr(parallel, "not_a_name")

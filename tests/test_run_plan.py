@@ -133,3 +133,12 @@ def test_no_engine_capability_is_probed_by_name(folder) -> None:
                 if "engine" in target.lower():
                     found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
     assert found == []
+
+
+def test_a_key_decided_again_shows_once_with_its_last_value() -> None:
+    """trim_prompt: on for the module's body, then off under a layout that shards weights."""
+    key = "model.actor.init_args.trim_prompt"
+    later = Decision(key, "off", "under FSDPLayout, which shards the weights")
+    plan = RunPlan(PPOConfig(), None, 1, [Decision(key, "on"), Decision("k", "v"), later])  # type: ignore[arg-type]
+    assert plan.final() == [later, Decision("k", "v")]
+    assert plan.state_dict()[key] == {"setting": "auto", "value": "off"}

@@ -129,10 +129,20 @@ class RunPlan:
         note("trainer.strategy", parts.strategy, type(layout).__name__, setting="")
         return cls(ppo, runner, score)
 
+    def final(self) -> list[Decision]:
+        """Each key's last decision, in the order keys were first decided.
+
+        A later step may overrule an earlier one (``trim_prompt``, which a module turns on for
+        its body, is turned off under a layout that shards the weights): the last one holds.
+        """
+        last = {d.key: d for d in self.decisions}
+        return list(last.values())
+
     def log(self) -> None:
-        """Log every decision as one block (rank zero)."""
-        width = max((len(d.key) for d in self.decisions), default=0)
-        lines = [_row(d, width) for d in self.decisions]
+        """Log every final decision as one block (rank zero)."""
+        final = self.final()
+        width = max((len(d.key) for d in final), default=0)
+        lines = [_row(d, width) for d in final]
         rank_zero_info(
             "lppo run plan (every auto decided once, before the first iteration):\n"
             + "\n".join(lines)
@@ -140,7 +150,7 @@ class RunPlan:
 
     def state_dict(self) -> dict[str, dict[str, str]]:
         """The decisions, by key, as saved in checkpoints (the last decision of a key wins)."""
-        return {d.key: {"setting": d.setting, "value": d.value} for d in self.decisions}
+        return {d.key: {"setting": d.setting, "value": d.value} for d in self.final()}
 
 
 def _row(decision: Decision, width: int) -> str:
