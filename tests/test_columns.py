@@ -61,9 +61,18 @@ def test_a_new_pi_old_producer_is_one_class_and_one_registration(tmp_path) -> No
 
 def test_the_files_a_new_producer_touches_are_its_own() -> None:
     """No module names a producer but the registry: the score phase and the controller ask it."""
-    compared = re.compile(r"old_logprobs\s*(==|!=|in)\s")
+    compared = re.compile(r"old_(logprobs|values)\s*(==|!=|in)\s")
     for rel in ("lppo/iteration/score_phase.py", "lppo/iteration/controller.py"):
         assert not compared.search((ROOT / rel).read_text()), rel
     sources = sorted((ROOT / "lppo").rglob("*.py"))
     naming = [str(p.relative_to(ROOT)) for p in sources if "FirstEpoch()" in p.read_text()]
     assert naming == ["lppo/iteration/columns.py"]
+
+
+def test_the_old_values_producers_say_where_the_values_are_written() -> None:
+    from lppo.iteration.columns import old_values
+
+    assert old_values("score").stage == "score"
+    assert old_values("critic").stage == "first_epoch"
+    with pytest.raises(ValueError, match=r"old_values='auto' is not resolved"):
+        old_values("auto")

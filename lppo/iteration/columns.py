@@ -21,9 +21,12 @@ import torch
 from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, Chunk
 
 __all__ = [
+    "OLD_VALUES",
     "PI_OLD",
+    "OldValuesProducer",
     "PiOldProducer",
     "Scorer",
+    "old_values",
     "pi_old",
     "register_pi_old",
 ]
@@ -162,6 +165,42 @@ def pi_old(name: str) -> PiOldProducer:
             f"{', '.join(sorted(PI_OLD))} (lppo.iteration.columns)."
         )
     return PI_OLD[name]
+
+
+@dataclass(frozen=True)
+class OldValuesProducer:
+    """One way the iteration gets the critic's old values (``model.ppo.old_values: <name>``).
+
+    Attributes:
+        name: the setting's value.
+        stage: ``score``: the score phase runs the critic over every row; ``first_epoch``: the
+            critic's first epoch values each chunk, and the advantages are estimated from
+            those chunk by chunk (:class:`~lppo.iteration.critic_targets.FirstEpochTargets`).
+    """
+
+    name: str
+    stage: Stage
+
+
+#: Both producers of the old values, by ``model.ppo.old_values`` value.
+OLD_VALUES: dict[str, OldValuesProducer] = {
+    "score": OldValuesProducer("score", "score"),
+    "critic": OldValuesProducer("critic", "first_epoch"),
+}
+
+
+def old_values(name: str) -> OldValuesProducer:
+    """The producer of ``model.ppo.old_values: name`` (resolved: not ``auto``).
+
+    Raises:
+        ValueError: ``auto`` or an unknown name (the run plan resolves ``auto``).
+    """
+    if name not in OLD_VALUES:
+        raise ValueError(
+            f"model.ppo.old_values={name!r} is not resolved to a producer (score or critic); "
+            "resolve it first (lppo.iteration.critic_targets.resolve_old_values)."
+        )
+    return OLD_VALUES[name]
 
 
 def score_reads(producer: PiOldProducer) -> list[str]:

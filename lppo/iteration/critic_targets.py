@@ -29,6 +29,7 @@ from lppo.estimators.base import (
     TargetMoments,
     ValueTargets,
 )
+from lppo.iteration.columns import old_values
 from lppo.modules import CriticModule
 from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk, RolloutStats
 
@@ -50,10 +51,8 @@ class AdvantagePhase:
     """
 
     def __init__(self, estimator: AdvantageEstimator, config: PPOConfig) -> None:
-        if config.old_values == "auto":
-            raise ValueError("AdvantagePhase needs old_values resolved: resolve_old_values().")
         self.estimator = estimator
-        self.deferred = config.old_values == "critic"
+        self.deferred = old_values(config.old_values).stage == "first_epoch"
 
     def start(self, inputs: EstimatorInputs, stats: RolloutStats) -> FirstEpochTargets | None:
         """Write the advantages now, or return the critic's first-epoch targets.

@@ -16,7 +16,7 @@ import torch
 
 from lppo.config import PPOConfig
 from lppo.iteration.chunks import unpad
-from lppo.iteration.columns import pi_old, score_reads
+from lppo.iteration.columns import old_values, pi_old, score_reads
 from lppo.iteration.data import ReplayDataModule
 from lppo.iteration.hooks import IterationContext
 from lppo.iteration.mismatch import Mismatch
@@ -101,7 +101,8 @@ class ScorePhase:
 
     Args:
         actor: the policy (π_old).
-        critic: the value model; scored here only with ``config.old_values == "score"``.
+        critic: the value model; scored here only when the old values' producer is this
+            phase (``old_values: score``).
         reference: the frozen reference policy (KL on), else ``None``.
         reward_model: a learned reward, else ``None``.
         data: the store and the chunk streams.
@@ -120,7 +121,7 @@ class ScorePhase:
         group: ProcessGroup,
     ) -> None:
         self.actor = actor
-        self.critic = critic if config.old_values == "score" else None
+        self.critic = critic if old_values(config.old_values).stage == "score" else None
         self.reference = reference
         self.reward_model = reward_model
         self.data = data
