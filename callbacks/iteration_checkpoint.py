@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lppo.run.loop import allow_checkpoint_without_new_step
+from lppo.loop import allow_checkpoint_without_new_step
 from lppo.validation import callback_key, check_number
 
 

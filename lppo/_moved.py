@@ -35,7 +35,6 @@ MOVED: dict[str, str] = {
     "lppo.system": "lppo.run.system",
     "lppo.run_plan": "lppo.run.plan",
     "lppo.trainer": "lppo.run.trainer",
-    "lppo.loop": "lppo.run.loop",
     "lppo.cli": "lppo.run.cli",
     "lppo.cli_parser": "lppo.run.cli_parser",
     "lppo.cli_loggers": "lppo.run.cli_loggers",
@@ -71,6 +70,9 @@ def canonical_path(path: str) -> str:
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers an old module name with the moved module (the same object)."""
 
+    def __init__(self) -> None:
+        self._specs: dict[str, ModuleSpec | None] = {}  # each moved module's own spec
+
     def find_spec(
         self, fullname: str, path: object = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
@@ -82,7 +84,6 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: ModuleSpec) -> ModuleType:
         """The module at its new place, imported (and kept with its own spec)."""
         module = importlib.import_module(MOVED[spec.name])
-        self._specs = getattr(self, "_specs", {})
         self._specs[spec.name] = module.__spec__
         return module
 

@@ -53,12 +53,12 @@ from lppo.iteration.data import ReplayDataModule
 from lppo.iteration.hooks import IterationContext, PPOCallback
 from lppo.layouts import DataParallelLayout, FSDPLayout
 from lppo.layouts.fsdp import _param_groups, is_sharded, roots_of
+from lppo.loop import attached_trainer
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.lora import LoRA
 from lppo.modules.models import HFCausalLM
 from lppo.replay import TransferQueueReplayStore
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutEngine
-from lppo.run.loop import attached_trainer
 from lppo.run.system import PPOSystem, RolloutSettings
 from lppo.run.trainer import PPOTrainer
 from lppo.runtime.ray_runtime import RaySettings

@@ -1,16 +1,16 @@
-"""Guards the Lightning private names lppo.run.loop relies on (Lightning is pinned to 2.6.x)."""
+"""Guards the Lightning private names lppo.loop relies on (Lightning is pinned to 2.6.x)."""
 
 import importlib
 
 import lightning
 import pytest
 
-from lppo.run.loop import PRIVATE_NAMES
+from lppo.loop import PRIVATE_NAMES
 
 
 def test_lightning_minor_is_pinned():
     major, minor = (int(x) for x in lightning.__version__.split(".")[:2])
-    assert (major, minor) == (2, 6), "lppo.run.loop is written against Lightning 2.6.x"
+    assert (major, minor) == (2, 6), "lppo.loop is written against Lightning 2.6.x"
 
 
 @pytest.mark.parametrize(("owner", "name"), PRIVATE_NAMES)

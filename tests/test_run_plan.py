@@ -32,7 +32,6 @@ def parts(precision: str = "32-true", **ppo: object) -> RunParts:
         actor=actor,
         critic=None,
         reference=None,
-        reward_model=None,
         engine=HFGenerateEngine(),
         estimator=GRPO(),
         ppo=PPOConfig(**ppo),  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""The run: ``PPOSystem``, ``PPOTrainer``, the fit loop, the run plan and the CLI.
+"""The run: ``PPOSystem``, ``PPOTrainer``, the run plan and the CLI.
 
-Also run directories, checkpoints, signals, the run log and export.
+Also run directories, checkpoints, signals, the run log and export. The fit loop is
+:mod:`lppo.loop`, the one user of Lightning's private API.
 """

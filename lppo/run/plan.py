@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.config import PPOConfig
 from lppo.decisions import Decision, note
 from lppo.estimators import AdvantageEstimator
@@ -36,7 +36,7 @@ from lppo.iteration.critic_targets import resolve_old_values
 from lppo.iteration.data_settings import DataSettings
 from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.layouts.base import ParallelContext
-from lppo.modules import ActorModule, CriticModule, RewardModel
+from lppo.modules import ActorModule, CriticModule
 from lppo.modules.tail import switch_off_under_sharding
 from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
@@ -58,7 +58,6 @@ class RunParts:
         actor: the policy, built (``configure_model`` done).
         critic: the value model, built (``None``: critic-free).
         reference: the frozen reference policy (``None``: none needed).
-        reward_model: a learned reward, built.
         engine: the rollout engine (not yet set up).
         estimator: the advantage estimator.
         ppo: ``model.ppo`` as configured.
@@ -73,7 +72,6 @@ class RunParts:
     actor: ActorModule
     critic: CriticModule | None
     reference: ActorModule | None
-    reward_model: RewardModel | None
     engine: RolloutEngine
     estimator: AdvantageEstimator
     ppo: PPOConfig
@@ -229,7 +227,7 @@ def _runner(parts: RunParts) -> RolloutRunner:
     return runner
 
 
-def _off_policy(parts: RunParts, ppo: PPOConfig) -> Any:
+def _off_policy(parts: RunParts, ppo: PPOConfig) -> OffPolicyCorrection:
     """Step 5: the actor's off-policy correction (truncated importance weights for stale rows)."""
     given = parts.actor.off_policy
     resolved = stale_correction(parts.rollout, ppo.old_logprobs, given)

@@ -20,6 +20,7 @@ from lppo.iteration.data import ReplayDataModule
 from lppo.iteration.failure_policy import FailurePolicy
 from lppo.iteration.hooks import PPOCallback
 from lppo.layouts.base import ParallelContext
+from lppo.loop import attached_trainer, instantiated_by_cli
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.modules.tokenizer import check_vocabularies, run_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
@@ -36,7 +37,6 @@ from lppo.run.checkpointing import (
     upgrade_layout,
 )
 from lppo.run.log import RunLog
-from lppo.run.loop import attached_trainer, instantiated_by_cli
 from lppo.run.plan import PLAN_KEY, RunParts, RunPlan, plan_changes, with_decisions
 from lppo.runtime.lifetimes import RunResources
 from lppo.runtime.ray_runtime import RaySettings, configure_ray
@@ -51,7 +51,7 @@ __all__ = ["PPOSystem", "RolloutSettings"]
 class PPOSystem(LightningModule):
     """Actor, critic, task, engine and estimator composed by injection.
 
-    Driven by :class:`lppo.run.loop.PPOFitLoop`: one trainer epoch is one RL iteration
+    Driven by :class:`lppo.loop.PPOFitLoop`: one trainer epoch is one RL iteration
     (:meth:`run_iteration`): 1. its rollout from the fixed-lag scheduler
     (:class:`~lppo.rollout.pipeline.RolloutPipeline`); 2. the controller's score → advantages →
     critic epochs → actor epochs → release; 3. the new weights published, and the iteration
@@ -182,7 +182,6 @@ class PPOSystem(LightningModule):
             actor=self.actor,
             critic=self.critic,
             reference=self.reference,
-            reward_model=self.reward_model,
             engine=self.engine,
             estimator=self.estimator,
             ppo=self.ppo,
@@ -222,7 +221,7 @@ class PPOSystem(LightningModule):
             self.actor,
             self.critic,
             data,
-            plan.ppo,
+            None,  # the plan's resolved model.ppo (plan=) is the controller's config
             self.reference,
             callbacks,
             estimator=self.estimator,
@@ -354,7 +353,7 @@ class PPOSystem(LightningModule):
     def training_step(self, *args: Any, **kwargs: Any) -> None:
         """Not used: the PPO loop drives training through :meth:`run_iteration`."""
         raise RuntimeError(
-            "PPOSystem is driven by lppo.run.loop.PPOFitLoop; train it with lppo.PPOTrainer "
+            "PPOSystem is driven by lppo.loop.PPOFitLoop; train it with lppo.PPOTrainer "
             "(or `lppo fit`), not a plain lightning Trainer."
         )
 

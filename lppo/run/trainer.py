@@ -12,9 +12,9 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lppo.callbacks import IterationCheckpoint, defaults
 
+from lppo.loop import install
 from lppo.run.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
 from lppo.run.directory import AUTO, LAST, RunDirectory, is_launching_rank_zero
-from lppo.run.loop import install
 from lppo.runtime.ray_runtime import RaySettings
 from lppo.runtime.strategy import STRATEGY_NAME, check_strategy  # also registers "ppo_ddp"
 from lppo.validation import SettingError
@@ -50,7 +50,7 @@ def _processes(kwargs: dict[str, Any]) -> int:
 class PPOTrainer(Trainer):
     """A ``Trainer`` whose epoch is one RL iteration (``max_epochs`` = iterations).
 
-    Differences from a plain ``Trainer``: the fit loop is :class:`lppo.run.loop.PPOFitLoop`;
+    Differences from a plain ``Trainer``: the fit loop is :class:`lppo.loop.PPOFitLoop`;
     lppo's built-in callbacks (:func:`lppo.callbacks.defaults`: lifecycle, monitoring and
     checkpoint) are added when no callback of their type is given (the per-iteration
     checkpoint not with ``enable_checkpointing=False``), and Lightning saves their state;

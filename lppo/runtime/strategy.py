@@ -39,8 +39,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lppo.layouts import LAYOUTS
 from lppo.layouts.base import DataParallelLayout, ParallelContext, ParallelLayout
+from lppo.loop import plain_optimizer
 from lppo.parallel import DEFAULT_TIMEOUT, close_process_group
-from lppo.run.loop import plain_optimizer
 
 #: Name of the data-parallel :class:`PPOStrategy` in Lightning's ``StrategyRegistry``.
 STRATEGY_NAME = "ppo_ddp"
