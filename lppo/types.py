@@ -10,7 +10,7 @@ always ``False`` and every token-level field holds 0 there.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -37,6 +37,8 @@ POLICY_VERSION = "policy_version"
 FOR_ITERATION = "for_iteration"
 # Token-level (float32) extra of a multi-turn row: each turn's own reward on its last token.
 TURN_REWARDS = "turn_rewards"
+# Row-level (int64, 0-dim): which prompt of its batch a row answers (group baselines read it).
+PROMPT_INDEX = "prompt_index"
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Rollout:
             RESPONSE_MASK: self.response_mask[rows],
             GEN_LOGPROBS: self.gen_logprobs[rows],
             REWARD: list(self.reward[rows].unbind(0)),
-            "prompt_index": list(self.prompt_index[rows].unbind(0)),
+            PROMPT_INDEX: list(self.prompt_index[rows].unbind(0)),
         }
         cols.update({k: list(v[rows]) for k, v in self.extras.items()})
         return cols
@@ -160,13 +162,6 @@ class Chunk:
         reward: ``float[B]`` sequence scores, when read.
         extras: any other column read, ``[B, T]`` or ``[B]``.
         is_padding: ``True`` for a zero-weight chunk that exists only to keep ranks in step.
-        targets: in the critic's first epoch under ``model.ppo.old_values: critic`` (then
-            ``values`` and ``returns`` are ``None``): maps ``(chunk, values)``, the critic's
-            detached ``float[B, T]`` values of this chunk, to ``(old values, returns)`` and
-            stores them with the rows' advantages.
-        record_old_logprobs: in the actor's first epoch under ``model.ppo.old_logprobs: actor``
-            (then ``old_logprobs`` is ``None``): maps ``(chunk, logprobs)``, the actor's
-            detached ``float[B, T]`` log-probabilities of this chunk, to π_old and stores it.
     """
 
     row_ids: tuple[int, ...]
@@ -182,8 +177,6 @@ class Chunk:
     reward: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     is_padding: bool = False
-    targets: Callable[[Chunk, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-    record_old_logprobs: Callable[[Chunk, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_valid_tokens(self) -> int:
@@ -206,6 +199,23 @@ class Chunk:
                 v = {k: t.to(device) for k, t in v.items()}
             moved[f.name] = v
         return Chunk(**moved)
+
+
+@dataclass
+class ChunkResult:
+    """What one chunk contributed to the open step.
+
+    Attributes:
+        trained: the chunk ran forward and backward.
+        skipped: the chunk had no valid token and was skipped without a forward pass.
+        loss: the chunk's share of the step loss (0.0 when not trained).
+        tokens: real tokens in the chunk.
+    """
+
+    trained: bool
+    skipped: bool
+    loss: float
+    tokens: int
 
 
 @dataclass

@@ -76,3 +76,67 @@ def test_the_old_values_producers_say_where_the_values_are_written() -> None:
     assert old_values("critic").stage == "first_epoch"
     with pytest.raises(ValueError, match=r"old_values='auto' is not resolved"):
         old_values("auto")
+
+
+def test_estimators_declare_what_they_read_and_write() -> None:
+    from lppo.estimators import GAE, GRPO, RLOO, ReinforcePP
+    from lppo.types import PROMPT_INDEX
+
+    assert (GAE().reads(), GAE().writes()) == ([VALUES], [ADVANTAGES, RETURNS])
+    for outcome in (GRPO(), RLOO()):
+        assert (outcome.reads(), outcome.writes()) == ([PROMPT_INDEX], [ADVANTAGES])
+    assert (ReinforcePP().reads(), ReinforcePP().writes()) == ([], [ADVANTAGES])
+
+
+def test_a_column_nobody_writes_is_refused_at_setup() -> None:
+    """An estimator that reads a column no phase of the run writes fails before iteration 1."""
+    from lppo.estimators import GRPO
+    from lppo.iteration.controller import PPOController
+    from lppo.iteration.data import ReplayDataModule
+
+    class ReadsTaskScore(GRPO):
+        def reads(self) -> list[str]:
+            return [*super().reads(), "task_score"]
+
+    with pytest.raises(SettingError, match=r"model.estimator=ReadsTaskScore reads the column "):
+        PPOController(
+            actor=ActorModule(spec(0)),
+            critic=None,
+            data=ReplayDataModule(),
+            config=PPOConfig(),
+            estimator=ReadsTaskScore(),
+        )
+
+
+def test_chunks_carry_data_only() -> None:
+    """First-epoch producers are handed to ``begin``; no chunk carries a callable."""
+    from lppo.types import Chunk
+
+    hints = {f.name: str(f.type) for f in dataclasses.fields(Chunk)}
+    assert not [n for n, t in hints.items() if "Callable" in t], hints
+
+
+def test_first_epoch_columns_are_stored_on_commit_not_from_the_loss() -> None:
+    """The actor's own π_old reaches the store when the controller commits, after backward."""
+    from lppo.iteration.old_logprobs import FirstEpochLogprobs
+    from lppo.parallel import ProcessGroup
+    from lppo.replay.memory import MemoryReplayStore
+    from lppo.types import Chunk, Normalizers, StepPlan
+
+    store, ids = MemoryReplayStore(), [0, 1]
+    store.put(ids, {"input_ids": [torch.zeros(3, dtype=torch.int64)] * 2})
+    step = StepPlan((tuple(ids),), Normalizers(4, 2))
+    own = FirstEpochLogprobs(store, step, OffPolicyCorrection(), ProcessGroup())
+    chunk = Chunk(
+        row_ids=tuple(ids),
+        input_ids=torch.zeros(2, 3, dtype=torch.int64),
+        attention_mask=torch.ones(2, 3, dtype=torch.bool),
+        response_mask=torch.tensor([[False, True, True]] * 2),
+        gen_logprobs=torch.full((2, 3), -1.0),
+    )
+    done = own.complete(chunk, torch.full((2, 3), -0.5))
+    assert done.old_logprobs is not None
+    assert done.old_logprobs.tolist() == [[0.0, -0.5, -0.5]] * 2
+    assert OLD_LOGPROBS not in store.columns()
+    own.commit()
+    assert store.read(ids, [OLD_LOGPROBS])[OLD_LOGPROBS][1].tolist() == [0.0, -0.5, -0.5]

@@ -16,6 +16,8 @@ from torch import nn
 
 from lppo.config import PPOConfig
 from lppo.iteration.data import ReplayDataModule
+from lppo.layouts.base import ParallelContext
+from lppo.layouts.fsdp import FSDPLayout
 from lppo.modules import ActorModule, CriticModule, RewardModel
 from lppo.modules.lora import LoRA
 from lppo.modules.models import HFCausalLM
@@ -23,7 +25,6 @@ from lppo.modules.tail import (
     TailBlock,
     check_trimmable,
     response_start,
-    switch_off_under_sharding,
     trimmed,
 )
 from lppo.run.system import PPOSystem, RolloutSettings
@@ -188,10 +189,11 @@ def test_a_layout_that_shards_weights_switches_auto_off_and_refuses_true() -> No
     for module in (auto, explicit):
         module.configure_model(VOCAB, 0, 1, 2)
         assert module.trim_prompt is True
-    switch_off_under_sharding([auto, None], "FSDPLayout")
+        module.parallel = ParallelContext(layout=FSDPLayout())  # the run's, as PPOSystem hands it
+    auto.configure_model(VOCAB, 0, 1, 2)
     assert auto.trim_prompt is False
     with pytest.raises(SettingError, match=r"critic.init_args.trim_prompt=true under FSDPLayout"):
-        switch_off_under_sharding([explicit], "FSDPLayout")
+        explicit.configure_model(VOCAB, 0, 1, 2)
 
 
 def fit(root: Path, trim: bool) -> PPOSystem:

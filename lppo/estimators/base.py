@@ -129,6 +129,18 @@ class AdvantageEstimator(Protocol):
 
     uses_critic: bool
 
+    def reads(self) -> list[str]:
+        """The columns :meth:`estimate` reads besides :attr:`EstimatorInputs.reward_columns`.
+
+        ``values`` for an estimator that uses a critic, ``prompt_index`` for a group baseline.
+        The run plan checks that something in the run writes each one.
+        """
+        ...
+
+    def writes(self) -> list[str]:
+        """The columns :meth:`estimate` writes: ``advantages``, and ``returns`` with a critic."""
+        ...
+
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
         """Write ``advantages`` (and ``returns`` when it uses a critic) into the store.
 

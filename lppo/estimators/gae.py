@@ -55,11 +55,19 @@ class GAE(RecordsInitArgs):
         self.lam_returns = lam_returns
         self.whiten = whiten
 
+    def reads(self) -> list[str]:
+        """The old values (besides the reward columns)."""
+        return [VALUES] if self.uses_critic else []
+
+    def writes(self) -> list[str]:
+        """The advantages and the critic's returns."""
+        return [ADVANTAGES, RETURNS] if self.uses_critic else [ADVANTAGES]
+
     @torch.no_grad()
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
         """Write advantages and returns; report the mean KL of the penalty (0 without one)."""
         acc = TargetMoments()
-        for chunk in inputs.chunks([*inputs.reward_columns, VALUES]):
+        for chunk in inputs.chunks([*inputs.reward_columns, *self.reads()]):
             assert chunk.values is not None
             adv, ret = self.chunk_targets(inputs, chunk, chunk.values, acc)
             inputs.write(chunk, {ADVANTAGES: adv, RETURNS: ret})

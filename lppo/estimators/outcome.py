@@ -19,11 +19,8 @@ from lppo.algorithms import kl_penalty
 from lppo.estimators.base import EstimatorInputs
 from lppo.init_args import RecordsInitArgs
 from lppo.stats import Moments
-from lppo.types import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, REWARD
+from lppo.types import ADVANTAGES, OLD_LOGPROBS, PROMPT_INDEX, REF_LOGPROBS, REWARD
 from lppo.validation import check_number
-
-#: Row-level column naming the prompt a row answers (see :class:`lppo.types.Rollout`).
-PROMPT_INDEX = "prompt_index"
 
 
 def sequence_scores(inputs: EstimatorInputs) -> dict[int, tuple[int, float]]:
@@ -79,7 +76,21 @@ def _summary(values: Iterable[float]) -> dict[str, float]:
     return {"advantage_abs_mean": math.fsum(abs(v) for v in vals) / max(len(vals), 1)}
 
 
-class GRPO(RecordsInitArgs):
+class _Outcome(RecordsInitArgs):
+    """What GRPO and RLOO read and write: one score per row, compared within its prompt."""
+
+    uses_critic = False
+
+    def reads(self) -> list[str]:
+        """The prompt each row answers (besides the reward columns)."""
+        return [PROMPT_INDEX]
+
+    def writes(self) -> list[str]:
+        """The advantages."""
+        return [ADVANTAGES]
+
+
+class GRPO(_Outcome):
     """Group-relative advantages: ``A_i = (s_i − mean_g) / (std_g + eps)`` (DeepSeekMath).
 
     ``mean_g`` and the population ``std_g`` are over the valid samples of row ``i``'s prompt.
@@ -90,8 +101,6 @@ class GRPO(RecordsInitArgs):
         scale_by_std: divide by the group's standard deviation.
         eps: added to the standard deviation.
     """
-
-    uses_critic = False
 
     def __init__(self, scale_by_std: bool = True, eps: float = 1e-6) -> None:
         check_number(
@@ -114,14 +123,12 @@ class GRPO(RecordsInitArgs):
         return _summary(adv.values())
 
 
-class RLOO(RecordsInitArgs):
+class RLOO(_Outcome):
     """REINFORCE leave-one-out: ``A_i = s_i − mean_{j ≠ i, j ∈ g} s_j`` (Ahmadian et al. 2024).
 
     Equivalently ``A_i = k/(k − 1) · (s_i − mean_g)`` for a group of ``k`` valid samples; a
     prompt needs at least two valid samples (``model.rollout.samples_per_prompt >= 2``).
     """
-
-    uses_critic = False
 
     @torch.no_grad()
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:

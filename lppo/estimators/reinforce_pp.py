@@ -32,6 +32,14 @@ class ReinforcePP(RecordsInitArgs):
         self.gamma = gamma
         self.whiten = whiten
 
+    def reads(self) -> list[str]:
+        """Nothing besides the reward columns."""
+        return []
+
+    def writes(self) -> list[str]:
+        """The advantages (the whitened returns)."""
+        return [ADVANTAGES]
+
     @torch.no_grad()
     def estimate(self, inputs: EstimatorInputs) -> dict[str, float]:
         """Write the (whitened) discounted returns as advantages; report the mean KL."""

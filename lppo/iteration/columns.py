@@ -18,22 +18,46 @@ from typing import Literal, Protocol
 
 import torch
 
-from lppo.types import GEN_LOGPROBS, OLD_LOGPROBS, Chunk
+from lppo.types import (
+    GEN_LOGPROBS,
+    INPUT_IDS,
+    OLD_LOGPROBS,
+    PROMPT_INDEX,
+    REF_LOGPROBS,
+    RESPONSE_MASK,
+    REWARD,
+    VALUES,
+    Chunk,
+)
+from lppo.validation import SettingError
 
 __all__ = [
     "OLD_VALUES",
     "PI_OLD",
+    "ROLLOUT_COLUMNS",
+    "ColumnReader",
     "OldValuesProducer",
+    "OwnColumns",
     "PiOldProducer",
     "Scorer",
+    "check_reads",
     "old_values",
     "pi_old",
     "register_pi_old",
+    "writers",
 ]
 
 #: Where a producer writes π_old: with the rows (the engine), in the score phase, or during the
 #: actor's first epoch.
 Stage = Literal["rollout", "score", "first_epoch"]
+
+
+class AdvantageEstimatorLike(Protocol):
+    """The part of :class:`~lppo.estimators.AdvantageEstimator` the column check reads."""
+
+    def writes(self) -> list[str]:
+        """The columns the estimator writes."""
+        ...
 
 
 class Scorer(Protocol):
@@ -49,8 +73,9 @@ class PiOldProducer(Protocol):
 
     Attributes:
         name: the setting's value.
-        stage: where π_old is written (``first_epoch``: the controller hands the actor's first
-            epoch a recorder, :class:`~lppo.iteration.old_logprobs.FirstEpochLogprobs`).
+        stage: where π_old is written (``first_epoch``: the controller opens the actor's
+            first-epoch steps with :class:`~lppo.iteration.old_logprobs.FirstEpochLogprobs`,
+            the :class:`OwnColumns` that completes each chunk).
         reads: the columns a score chunk needs for it, besides ``gen_logprobs`` (the score
             phase always measures the engine/trainer mismatch against those).
         runs_actor: the score phase runs the actor's forward pass for it.
@@ -167,6 +192,30 @@ def pi_old(name: str) -> PiOldProducer:
     return PI_OLD[name]
 
 
+class OwnColumns(Protocol):
+    """Columns a first training epoch takes from the module's own forward pass.
+
+    Handed to ``begin`` of a step in that epoch (``model.ppo.old_logprobs: actor``,
+    ``model.ppo.old_values: critic``): the chunks then lack those columns, and the module
+    completes each from what it just computed. The store is written after the chunk's
+    backward pass, by whoever opened the step (:meth:`commit`), not from inside the loss.
+    """
+
+    def complete(self, chunk: Chunk, output: torch.Tensor) -> Chunk:
+        """``chunk`` with its missing columns computed from ``output``.
+
+        Args:
+            chunk: a chunk of the step, without the columns this epoch produces.
+            output: ``float[B, T]`` the module's detached output of the chunk (the actor's
+                log-probabilities, the critic's values).
+        """
+        ...
+
+    def commit(self) -> None:
+        """Write the columns completed since the last call into the replay store."""
+        ...
+
+
 @dataclass(frozen=True)
 class OldValuesProducer:
     """One way the iteration gets the critic's old values (``model.ppo.old_values: <name>``).
@@ -206,3 +255,57 @@ def old_values(name: str) -> OldValuesProducer:
 def score_reads(producer: PiOldProducer) -> list[str]:
     """The columns the score phase streams for ``producer`` (the mismatch reads μ's too)."""
     return [GEN_LOGPROBS, *producer.reads]
+
+
+#: Columns every rollout stores with its rows (:meth:`lppo.types.Rollout.columns`).
+ROLLOUT_COLUMNS = (INPUT_IDS, RESPONSE_MASK, GEN_LOGPROBS, REWARD, PROMPT_INDEX)
+
+
+@dataclass(frozen=True)
+class ColumnReader:
+    """A phase's declared reads: who reads (for messages) and the column names."""
+
+    who: str
+    reads: tuple[str, ...]
+
+
+def writers(
+    old_logprobs: str,
+    old_values_name: str | None,
+    reference: bool,
+    estimator: AdvantageEstimatorLike,
+) -> dict[str, str]:
+    """Each column of an iteration and what writes it (step 4 of the run plan).
+
+    Args:
+        old_logprobs: ``model.ppo.old_logprobs``, resolved.
+        old_values_name: ``model.ppo.old_values``, resolved (``None``: no critic).
+        reference: a reference policy is scored (the KL penalty or loss is on).
+        estimator: the advantage estimator (its :meth:`writes`).
+    """
+    out = {c: "the rollout" for c in ROLLOUT_COLUMNS}
+    out[OLD_LOGPROBS] = f"model.ppo.old_logprobs={old_logprobs}"
+    if old_values_name is not None:
+        out[VALUES] = f"model.ppo.old_values={old_values_name}"
+    if reference:
+        out[REF_LOGPROBS] = "the reference policy (score phase)"
+    for name in estimator.writes():
+        out[name] = f"model.estimator={type(estimator).__name__}"
+    return out
+
+
+def check_reads(readers: list[ColumnReader], written: dict[str, str]) -> None:
+    """Refuse a run in which a phase reads a column that nothing writes.
+
+    Raises:
+        SettingError: naming the reader, the column and what writes the others.
+    """
+    for reader in readers:
+        for name in reader.reads:
+            if name not in written:
+                known = ", ".join(f"{c} ({w})" for c, w in written.items())
+                raise SettingError(
+                    f"{reader.who} reads the column {name!r}, which nothing in this run writes "
+                    f"(written: {known}); change {reader.who} or give the part that writes it "
+                    "(model.critic for values, a KL coefficient for ref_logprobs)."
+                )

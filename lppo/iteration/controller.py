@@ -325,10 +325,11 @@ class PPOController:
             rows: every rank's rows (what the plans are made of).
             what: ``(phase, module, epochs, minibatches)``.
             dropped: every rank's dropped samples (against the drop budget).
-            targets: what the first epoch computes besides its step: the critic's targets
-                under ``old_values: critic`` (the chunks carry them instead of old values and
-                returns, which they write; the advantages are finished after that epoch), or
-                the actor's π_old under ``old_logprobs: actor`` (instead of ``old_logprobs``).
+            targets: the columns the first epoch takes from the module's own forward pass
+                (:class:`~lppo.iteration.columns.OwnColumns`, handed to ``begin``): the
+                critic's old values and targets under ``old_values: critic`` (the advantages
+                are finished after that epoch), or π_old under ``old_logprobs: actor``. They
+                are stored after each chunk's backward pass.
             stats: the iteration's statistics (the first epoch's metrics go here).
 
         Returns:
@@ -363,13 +364,14 @@ class PPOController:
     ) -> None:
         """One optimizer step: ``begin``, every chunk of ``step``, then the callbacks finish it."""
         ctx.minibatch, ctx.chunk, ctx.module, ctx.plan = step.minibatch, -1, module, step
-        module.begin(step)
+        module.begin(step, fused)
         self._emit("on_train_step_start", ctx)
         for c, chunk in enumerate(self.data.stream(step, columns)):
             ctx.chunk = c
-            if fused is not None:
-                chunk = fused.attach(chunk)
-            self._emit("on_chunk_end", ctx, module.train_chunk(chunk))
+            result = module.train_chunk(chunk)
+            if fused is not None:  # the columns the chunk's forward pass produced
+                fused.commit()
+            self._emit("on_chunk_end", ctx, result)
         ctx.chunk = -1
         self._emit("on_train_step_end", ctx)
         if module.step_open:

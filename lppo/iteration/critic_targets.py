@@ -67,7 +67,9 @@ class AdvantagePhase:
 
 
 class FirstEpochTargets:
-    """``Chunk.targets`` of one iteration's first critic epoch.
+    """Old values, advantages and returns of one iteration's first critic epoch.
+
+    The critic completes each chunk with them (:class:`~lppo.iteration.columns.OwnColumns`).
 
     Args:
         estimator: the iteration's estimator (its per-chunk targets and final whitening).
@@ -79,28 +81,31 @@ class FirstEpochTargets:
         self.inputs = inputs
         self.moments = TargetMoments()
         self.rows: set[int] = set()
+        self._pending: list[tuple[Chunk, dict[str, torch.Tensor]]] = []
 
     def columns(self, names: list[str]) -> list[str]:
         """The first epoch's columns: the estimator's reward columns instead of ``names``."""
         return self.inputs.reward_columns
 
-    def attach(self, chunk: Chunk) -> Chunk:
-        """``chunk`` with these targets as its ``targets``."""
-        return dataclasses.replace(chunk, targets=self)
-
-    def __call__(self, chunk: Chunk, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the chunk's old values, advantages and returns; return ``(values, returns)``.
+    def complete(self, chunk: Chunk, output: torch.Tensor) -> Chunk:
+        """``chunk`` with its old values and returns, from the critic's ``output``.
 
         Args:
             chunk: a first-epoch critic chunk (with :attr:`columns`).
-            values: ``float[B, T]`` the critic's detached values of the chunk.
+            output: ``float[B, T]`` the critic's detached values of the chunk.
         """
         # Zero off-response, as CriticModule.score writes them.
-        old = torch.where(chunk.response_mask, values, torch.zeros_like(values))
+        old = torch.where(chunk.response_mask, output, torch.zeros_like(output))
         adv, ret = self.estimator.chunk_targets(self.inputs, chunk, old, self.moments)
-        self.inputs.write(chunk, {VALUES: old, ADVANTAGES: adv, RETURNS: ret})
+        self._pending.append((chunk, {VALUES: old, ADVANTAGES: adv, RETURNS: ret}))
         self.rows.update(chunk.row_ids)
-        return old, ret
+        return dataclasses.replace(chunk, values=old, returns=ret)
+
+    def commit(self) -> None:
+        """Store the old values, advantages and returns of the chunks completed since."""
+        for chunk, columns in self._pending:
+            self.inputs.write(chunk, columns)
+        self._pending.clear()
 
     def finish(self) -> dict[str, float]:
         """After the epoch: the estimator's final pass (whitening); returns its metrics.
@@ -125,7 +130,7 @@ def critic_epoch_obstacles(
     It can with a critic, an estimator with per-row value targets (``GAE``),
     ``critic_minibatches: 1`` (no step changes the critic before every row is valued),
     ``disable_dropout: true``, a critic whose ``chunk_loss`` is
-    :class:`~lppo.modules.CriticModule`'s (a subclass's own may not read ``chunk.targets``) and
+    :class:`~lppo.modules.CriticModule`'s (a subclass's own may not call ``self.complete``) and
     an estimator whose ``estimate`` comes from the class of its ``chunk_targets`` (a subclass
     that overrides only ``estimate`` would not be called).
     """

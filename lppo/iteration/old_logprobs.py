@@ -178,7 +178,7 @@ def resolve_old_logprobs(
 
 
 class FirstEpochLogprobs:
-    """``Chunk.record_old_logprobs`` of one iteration's first actor epoch.
+    """π_old of one iteration's first actor epoch (:class:`~lppo.iteration.columns.OwnColumns`).
 
     Args:
         store: the replay store (π_old goes back into it, for the later epochs).
@@ -200,30 +200,33 @@ class FirstEpochLogprobs:
         self.group = group
         self.mismatch = Mismatch()
         self.rows: set[int] = set()
+        self._pending: list[tuple[tuple[int, ...], list[torch.Tensor]]] = []
 
     def columns(self, names: list[str]) -> list[str]:
         """The first epoch's columns: ``names`` without π_old, with the engine's log-probs."""
         kept = [n for n in names if n != OLD_LOGPROBS]
         return kept if GEN_LOGPROBS in kept else [*kept, GEN_LOGPROBS]
 
-    def attach(self, chunk: Chunk) -> Chunk:
-        """``chunk`` with this recorder as its ``record_old_logprobs``."""
-        return dataclasses.replace(chunk, record_old_logprobs=self)
-
-    def __call__(self, chunk: Chunk, logprobs: torch.Tensor) -> torch.Tensor:
-        """Store the chunk's π_old and fold its mismatch in; return π_old ``float[B, T]``.
+    def complete(self, chunk: Chunk, output: torch.Tensor) -> Chunk:
+        """``chunk`` with π_old, the actor's own log-probs; the mismatch folded in.
 
         Args:
-            chunk: a first-epoch actor chunk (with ``gen_logprobs``).
-            logprobs: ``float[B, T]`` the actor's detached log-probabilities of the chunk.
+            chunk: a first-epoch actor chunk (with ``gen_logprobs``, without ``old_logprobs``).
+            output: ``float[B, T]`` the actor's detached log-probabilities of the chunk.
         """
         mask = chunk.response_mask
-        old = torch.where(mask, logprobs, torch.zeros_like(logprobs))  # as actor.score masks
+        old = torch.where(mask, output, torch.zeros_like(output))  # as actor.score masks
         assert chunk.gen_logprobs is not None
         self.mismatch.add(old.cpu(), chunk.gen_logprobs.cpu(), mask.cpu(), self.correction)
-        self.store.write(chunk.row_ids, {OLD_LOGPROBS: unpad(chunk, old)})
+        self._pending.append((chunk.row_ids, unpad(chunk, old)))
         self.rows.update(chunk.row_ids)
-        return old
+        return dataclasses.replace(chunk, old_logprobs=old)
+
+    def commit(self) -> None:
+        """Store the π_old of the chunks completed since the last call."""
+        for row_ids, old in self._pending:
+            self.store.write(row_ids, {OLD_LOGPROBS: old})
+        self._pending.clear()
 
     def finish(self) -> dict[str, float]:
         """After the epoch: the mismatch over every rank's rows (collective over ``group``).

@@ -155,7 +155,9 @@ class ActorModule(PPOModule):
             unfit = f"{type(self).__name__}.logits(chunk) takes no start"
         body = getattr(self.model, "base_model", None)
         key = f"{self.config_key}.trim_prompt"
-        self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit)
+        shards = self.parallel.layout
+        shards_name = type(shards).__name__ if shards.shards_weights() else None
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit, shards_name)
 
     # ---------------------------------------------------------------- forward
     def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:
@@ -235,17 +237,15 @@ class ActorModule(PPOModule):
 
         Records the diagnostics :meth:`metrics` reports.
         """
-        first_epoch = chunk.record_old_logprobs
-        if (chunk.old_logprobs is None and first_epoch is None) or chunk.advantages is None:
+        if (chunk.old_logprobs is None and not self.produces_columns) or chunk.advantages is None:
             raise ValueError("actor chunks need old_logprobs and advantages columns.")
         logprobs, entropy = self.token_logprobs(chunk, with_entropy=True)
         assert entropy is not None
         mask = chunk.response_mask
-        if first_epoch is not None:  # model.ppo.old_logprobs: actor; π_θ is π_old here
-            old = first_epoch(chunk, logprobs.detach())
-        else:
-            assert chunk.old_logprobs is not None
-            old = chunk.old_logprobs.to(logprobs.dtype)
+        if chunk.old_logprobs is None:  # model.ppo.old_logprobs: actor; π_θ is π_old here
+            chunk = self.complete(chunk, logprobs.detach())
+        assert chunk.old_logprobs is not None and chunk.advantages is not None
+        old = chunk.old_logprobs.to(logprobs.dtype)
         terms = self.objective(logprobs, old, chunk.advantages.to(logprobs.dtype), mask)
         loss = terms.loss
         if self.off_policy.enabled:

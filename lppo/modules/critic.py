@@ -100,7 +100,9 @@ class CriticModule(PPOModule):
         unfit = "LoRA: PEFT wraps the backbone's blocks" if is_adapted(self.backbone) else None
         body = getattr(self.backbone, "base_model", None)
         key = f"{self.config_key}.trim_prompt"
-        self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit)
+        shards = self.parallel.layout
+        shards_name = type(shards).__name__ if shards.shards_weights() else None
+        self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit, shards_name)
         if self.value_head is None:
             param = next(self.backbone.parameters())
             head = self.make_value_head(int(self.backbone.config.hidden_size))
@@ -162,18 +164,16 @@ class CriticModule(PPOModule):
         """Clipped value loss per token; records the explained-variance and range sums.
 
         The old values and returns are the chunk's columns, or, in the first epoch under
-        ``model.ppo.old_values: critic``, what ``chunk.targets`` makes of the values computed
+        ``model.ppo.old_values: critic``, what :meth:`complete` makes of the values computed
         here (detached): the first epoch then regresses on targets of its own forward pass.
         """
-        if chunk.targets is None and (chunk.values is None or chunk.returns is None):
+        if (chunk.values is None or chunk.returns is None) and not self.produces_columns:
             raise ValueError("critic chunks need values (old values) and returns columns.")
         v = self.values(chunk)
-        if chunk.targets is not None:  # model.ppo.old_values: critic, first epoch
-            old, ret = chunk.targets(chunk, v.detach())
-        else:
-            assert chunk.values is not None and chunk.returns is not None
-            old, ret = chunk.values, chunk.returns
-        old, ret = old.to(v.dtype), ret.to(v.dtype)
+        if chunk.values is None or chunk.returns is None:  # old_values: critic, first epoch
+            chunk = self.complete(chunk, v.detach())
+        assert chunk.values is not None and chunk.returns is not None
+        old, ret = chunk.values.to(v.dtype), chunk.returns.to(v.dtype)
         terms = value_loss(v, old, ret, clip=self.value_clip)
         mask = chunk.response_mask
         vd, rd = v.detach().to(torch.float64)[mask], ret.to(torch.float64)[mask]

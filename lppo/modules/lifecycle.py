@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -21,8 +20,11 @@ from lppo.init_args import RecordsInitArgs
 from lppo.layouts.base import ParallelContext
 from lppo.modules.snapshot import TrainingState, parameters_finite
 from lppo.stats import SumStats
-from lppo.types import Chunk, StepPlan, StepStats
+from lppo.types import Chunk, ChunkResult, StepPlan, StepStats
 from lppo.validation import SettingError, check_number
+
+if TYPE_CHECKING:
+    from lppo.iteration.columns import OwnColumns
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -34,23 +36,6 @@ class StepStateError(RuntimeError):
 
 class NonFiniteParameters(RuntimeError):
     """An optimizer step left a non-finite parameter and could not be undone."""
-
-
-@dataclass
-class ChunkResult:
-    """What one chunk contributed to the open step.
-
-    Attributes:
-        trained: the chunk ran forward and backward.
-        skipped: the chunk had no valid token and was skipped without a forward pass.
-        loss: the chunk's share of the step loss (0.0 when not trained).
-        tokens: real tokens in the chunk.
-    """
-
-    trained: bool
-    skipped: bool
-    loss: float
-    tokens: int
 
 
 class PPOModule(RecordsInitArgs, nn.Module):
@@ -140,6 +125,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._plan: StepPlan | None = None
+        self._own: OwnColumns | None = None
         self._sums = SumStats()
         self._chunks_trained = 0
         self._chunks_skipped = 0
@@ -177,6 +163,16 @@ class PPOModule(RecordsInitArgs, nn.Module):
         """Turn the step's global sums into reported diagnostics."""
         return {}
 
+    @property
+    def produces_columns(self) -> bool:
+        """Whether the open step's chunks lack columns that :meth:`complete` fills in."""
+        return self._own is not None
+
+    def complete(self, chunk: Chunk, output: torch.Tensor) -> Chunk:
+        """``chunk`` with the columns the open step takes from ``output`` (detached, ``[B, T]``)."""
+        assert self._own is not None, "complete() outside a step that produces columns"
+        return self._own.complete(chunk, output)
+
     def on_before_step(self, grad_norm: float) -> None:
         """Hook: gradients are complete (summed over ranks, not yet clipped); override freely."""
 
@@ -210,8 +206,11 @@ class PPOModule(RecordsInitArgs, nn.Module):
         """Whether a step has begun and not yet finished or aborted."""
         return self._plan is not None
 
-    def begin(self, plan: StepPlan) -> None:
+    def begin(self, plan: StepPlan, own: OwnColumns | None = None) -> None:
         """Open a step: zero gradients and take the step's global normalizers from ``plan``.
+
+        ``own``: in a first epoch that produces columns, what completes each chunk from this
+        module's forward pass (:meth:`complete`).
 
         Raises:
             StepStateError: a step is already open.
@@ -233,7 +232,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
         self.configure_optimizer()
         self.train()
         self._zero_grad()
-        self._plan = plan
+        self._plan, self._own = plan, own
         self._sums = SumStats()
         self._chunks_trained = self._chunks_skipped = self._tokens = 0
 
@@ -316,7 +315,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
             metrics={"loss": self._sums.get("loss"), **self.metrics(self._sums)},
             skip_reason=reason,
         )
-        self._plan = None
+        self._plan = self._own = None
         return stats
 
     def _undo_non_finite(self, backup: TrainingState | None, norm: float) -> str:
@@ -345,7 +344,7 @@ class PPOModule(RecordsInitArgs, nn.Module):
         """
         self.parallel.layout.abort(self)
         self._zero_grad()
-        self._plan = None
+        self._plan = self._own = None
         self._sums = SumStats()
 
     # --------------------------------------------------------------- helpers

@@ -22,7 +22,7 @@ Supported: bodies whose blocks have Llama's layout (``input_layernorm``, ``self_
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -76,56 +76,47 @@ def check_trimmable(body: nn.Module, key: str) -> None:
 
 
 def resolve_trim(
-    setting: TrimSetting, body: nn.Module | None, key: str, unfit: str | None = None
+    setting: TrimSetting,
+    body: nn.Module | None,
+    key: str,
+    unfit: str | None = None,
+    shards: str | None = None,
 ) -> bool:
-    """A module's ``trim_prompt`` setting made ``True`` or ``False`` for ``body``.
+    """A module's ``trim_prompt`` setting made ``True`` or ``False`` for ``body``, decided once.
 
-    ``auto`` is on wherever neither ``unfit`` (the module's own reason, e.g. LoRA) nor
-    :func:`untrimmable` finds anything against ``body``, else off with a log line naming the
-    reason; ``true`` is checked.
+    ``auto`` is on wherever neither ``unfit`` (the module's own reason, e.g. LoRA),
+    :func:`untrimmable` nor ``shards`` finds anything against it, else off with a log line
+    naming the reason; ``true`` is checked.
 
     Args:
         setting: the module's ``trim_prompt`` argument.
         body: the Hugging Face base model (``None`` only with ``unfit``).
         key: the setting's configuration key (for the messages).
         unfit: why this module cannot trim, whatever its body (``None``: nothing).
+        shards: the name of the run's layout when it shards the weights (``ppo_fsdp``): the
+            trimmed last block calls the block's submodules directly, past the per-block hooks
+            that gather a sharded block's weights.
 
     Raises:
-        SettingError: ``true`` where the module or its body cannot run :func:`trimmed`.
+        SettingError: ``true`` where the module, its body or the layout cannot run
+            :func:`trimmed`.
     """
     if setting is False:
         note(key, "off", setting="false")
         return False
     reason = unfit or (untrimmable(body) if body is not None else "no Hugging Face body")
-    if reason is None:
+    if reason is None and shards is None:
         note(key, "on", setting=str(setting).lower())
         return True
+    if setting is True and reason is None:
+        raise SettingError(
+            f"{key}=true under {shards}, which shards the weights: the trimmed last "
+            f"block would bypass its per-block all-gather; set {key}: false (or auto)."
+        )
     if setting is True:
         raise SettingError(f"{key}=true: {reason}; set {key}: false (or auto).")
-    note(key, "off", reason)
+    note(key, "off", reason or f"under {shards}, which shards the weights")
     return False
-
-
-def switch_off_under_sharding(modules: Iterable[Any], layout_name: str) -> None:
-    """Turn ``trim_prompt`` off on ``modules`` trained under a layout that shards weights.
-
-    The trimmed last block calls the block's submodules directly, past the per-block hooks
-    that gather a sharded block's weights (``ppo_fsdp``).
-
-    Raises:
-        SettingError: a module whose ``trim_prompt_setting`` is an explicit ``true``.
-    """
-    for module in modules:
-        if not getattr(module, "trim_prompt", False):
-            continue
-        key = f"{module.config_key}.trim_prompt"
-        if module.trim_prompt_setting is True:
-            raise SettingError(
-                f"{key}=true under {layout_name}, which shards the weights: the trimmed last "
-                f"block would bypass its per-block all-gather; set {key}: false (or auto)."
-            )
-        note(key, "off", f"under {layout_name}, which shards the weights")
-        module.trim_prompt = False
 
 
 def response_start(response_mask: torch.Tensor) -> int:

@@ -8,14 +8,16 @@ and decides, in this order:
 1. the rules across setting groups (staleness × layout, dynamic sampling × fixed rows per
    rank, failure budget × data parallelism, overlong shaping × response length);
 2. the runner (``model.runner: null``) from the staleness and the engine's capabilities;
-3. ``trim_prompt`` under a layout that shards the weights;
-4. the producer of each column: old values (score phase or the critic's first epoch) and π_old
-   (the actor's first epoch, the engine, or a separate pass), at the run's final dtype;
-5. the actor's off-policy correction for stale rows;
-6. the score-chunk budget.
+3. the producer of each column: old values (score phase or the critic's first epoch) and π_old
+   (the actor's first epoch, the engine, or a separate pass), at the run's final dtype; then
+   every column a phase reads must have a writer;
+4. the actor's off-policy correction for stale rows;
+5. the score-chunk budget.
 
-Components that resolve an ``auto`` of their own while being wired (an engine's cache and
-prefill against the policy's layers) report it through :func:`lppo.decisions.note`; the plan
+Components that resolve an ``auto`` against what only they hold report it through
+:func:`lppo.decisions.note`, once each: a module's ``trim_prompt`` against its body and the
+run's layout (known before the models are built), an engine's cache, prefill and sampler
+against the policy's layers and generation config. The plan
 collects those too, logs every decision in one block, and is saved in checkpoints, where a
 resumed run's plan is compared with the saved one (:func:`plan_changes`). The controller, the
 rollout pipeline, the engine and the modules receive what the plan decided.
@@ -32,16 +34,17 @@ from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.config import PPOConfig
 from lppo.decisions import Decision, note
 from lppo.estimators import AdvantageEstimator
+from lppo.iteration.columns import ColumnReader, check_reads, writers
 from lppo.iteration.critic_targets import resolve_old_values
 from lppo.iteration.data_settings import DataSettings
 from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.layouts.base import ParallelContext
 from lppo.modules import ActorModule, CriticModule
-from lppo.modules.tail import switch_off_under_sharding
 from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.pipeline import default_runner, stale_correction
 from lppo.rollout.runners import RolloutRunner
+from lppo.types import OLD_LOGPROBS, REF_LOGPROBS
 from lppo.validation import SettingError
 
 __all__ = ["PLAN_KEY", "RunParts", "RunPlan", "plan_changes", "resolve_columns"]
@@ -101,7 +104,7 @@ class RunPlan:
 
     @classmethod
     def resolve(cls, parts: RunParts) -> RunPlan:
-        """Decide everything for ``parts`` (steps 1–6 of the module docstring).
+        """Decide everything for ``parts`` (steps 1–5 of the module docstring).
 
         Decisions are reported through :func:`~lppo.decisions.note`: call it inside
         :func:`~lppo.decisions.collecting` and give the collected list to the plan.
@@ -113,9 +116,6 @@ class RunPlan:
         _check_rules(parts)
         runner = _runner(parts)
         layout = parts.parallel.layout
-        if layout.shards_weights():
-            modules = (parts.actor, parts.critic, parts.reference)
-            switch_off_under_sharding(modules, type(layout).__name__)
         ppo = resolve_columns(parts.ppo, parts.estimator, parts.actor, parts.critic, parts)
         parts.actor.off_policy = _off_policy(parts, ppo)
         score = parts.data.score_budget
@@ -130,8 +130,8 @@ class RunPlan:
     def final(self) -> list[Decision]:
         """Each key's last decision, in the order keys were first decided.
 
-        A later step may overrule an earlier one (``trim_prompt``, which a module turns on for
-        its body, is turned off under a layout that shards the weights): the last one holds.
+        A component built twice (``configure_model`` is idempotent) notes its decision again:
+        the last one holds.
         """
         last = {d.key: d for d in self.decisions}
         return list(last.values())
@@ -164,7 +164,10 @@ def resolve_columns(
     critic: CriticModule | None,
     parts: RunParts | None = None,
 ) -> PPOConfig:
-    """``config`` with the producers of old values and π_old decided (step 4).
+    """``config`` with the producers of old values and π_old decided (step 3).
+
+    Then every column a phase reads (the actor's, the critic's, the estimator's) must have
+    a writer in the run (:func:`~lppo.iteration.columns.check_reads`).
 
     With ``parts`` (a run) the engine is asked whether its log-probs are π_old at the run's
     final dtype, and told to return them when it is picked; without (a controller built on its
@@ -184,6 +187,16 @@ def resolve_columns(
         enable = capabilities_of(parts.engine).enable_policy_logprobs
         assert enable is not None  # engine_obstacles found the capability
         enable()
+    reference = config.kl_coef > 0 or actor.needs_reference
+    kl = [OLD_LOGPROBS, REF_LOGPROBS] if config.kl_coef > 0 else []
+    readers = [
+        ColumnReader("model.actor", tuple(actor.reads())),
+        ColumnReader(f"model.estimator={type(estimator).__name__}", (*estimator.reads(), *kl)),
+    ]
+    if critic is not None:
+        readers.append(ColumnReader("model.critic", tuple(critic.reads())))
+    values = config.old_values if critic is not None else None
+    check_reads(readers, writers(config.old_logprobs, values, reference, estimator))
     return config
 
 

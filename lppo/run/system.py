@@ -160,13 +160,13 @@ class PPOSystem(LightningModule):
             torch.set_num_threads(self.num_threads)
         trainer = attached_trainer(self)
         with collecting() as decisions:
-            # 1. build: tokenizer, models, reference; the process groups of the layout
-            self._configure_modules()
+            # 1. build: the layout's process groups; tokenizer, models (in it), reference
             parallel, callbacks = ParallelContext(), []
             if trainer is not None:
                 check_strategy(trainer.strategy, trainer.world_size)
                 parallel = parallel_context(trainer.strategy)
                 callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
+            self._configure_modules(parallel)
             data = self._datamodule(trainer)
             # 2. plan: every auto and every rule across setting groups
             plan = RunPlan.resolve(self._parts(trainer, parallel, data))
@@ -272,9 +272,16 @@ class PPOSystem(LightningModule):
             return bound
         return self.task.max_prompt_length() + 1 + self.rollout.max_new_tokens
 
-    def _configure_modules(self) -> None:
-        """Build the tokenizer, actor, critic, reward model and the frozen reference."""
+    def _configure_modules(self, parallel: ParallelContext) -> None:
+        """Build the tokenizer, actor, critic, reward model and the frozen reference.
+
+        Actor and critic are handed the run's ``parallel`` first: what they decide while built
+        (``trim_prompt``) depends on whether its layout shards the weights.
+        """
         self.tokenizer = tok = run_tokenizer(self.task, self.tokenizer_path)
+        for role in (self.actor, self.critic):
+            if role is not None:
+                role.parallel = parallel
         modules = (self.actor, self.critic, self.reward_model)
         check_vocabularies(tok, modules, self.resize_embeddings)
         ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)

@@ -127,13 +127,15 @@ class MegatronLifecycle:
         """Take the controller's groups (at setup): ``ppo_megatron``'s, of megatron's sizes.
 
         The first assignment is :class:`~lppo.modules.PPOModule`'s placeholder, made before
-        the model exists; until a controller hands groups over, the module uses its spec's.
+        the model exists; so is the run's, handed over by the system before the model is
+        built (for what other modules decide while built; a megatron module decides nothing
+        from it). Until a controller hands groups over, the module uses its spec's.
 
         Raises:
             SettingError: another layout (megatron's DDP reduces this module's gradients), or
                 groups of other sizes than megatron-core's, naming the keys.
         """
-        if "_lppo_parallel" not in self.__dict__:
+        if "_lppo_parallel" not in self.__dict__ or self.spec.context is None:
             self.__dict__["_lppo_parallel"] = None
             return
         own = self._own_groups()
