@@ -1,6 +1,8 @@
 """Test configuration: hypothesis profiles and float64 determinism."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -13,6 +15,17 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("ci")
+
+# The folders of tests/ mirror lppo/'s, and test modules import helpers of other test modules
+# by name (``from test_ddp import WORKER``), as pytest's rootdir-relative "prepend" import does
+# for a file's own folder: put every folder on the path now, so the order files are collected
+# in does not decide what imports (folders with an __init__.py are packages, imported by it).
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [
+    str(d)
+    for d in sorted(_TESTS.iterdir())
+    if d.is_dir() and d.name[0] not in "._" and not (d / "__init__.py").exists()
+]
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +50,8 @@ def straight_tiny_fit(tmp_path_factory):
     """The final state dict of one uninterrupted ``lppo fit`` of ``test_sigkill.ARGS``.
 
     The reference that every killed-and-resumed or signalled-and-resumed run of that same
-    configuration (tests/test_sigkill.py, tests/test_interrupts.py) must equal bitwise; it is
-    deterministic, so one run serves the whole session.
+    configuration (tests/run/test_sigkill.py, tests/run/test_interrupts.py) must equal
+    bitwise; it is deterministic, so one run serves the whole session.
     """
     import subprocess
 

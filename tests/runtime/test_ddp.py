@@ -27,8 +27,8 @@ from lppo.run.trainer import PPOTrainer
 from lppo.runtime.strategy import PPODDPStrategy, check_strategy
 from lppo.types import RowMeta
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("ddp_fit_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "ddp_fit_worker.py"
 TIMEOUT_S = 240
 #: float32 weights after the fits: two ranks sum each step's gradient in another order than one
 #: process, and the trimmed last block (``trim_prompt: auto``) runs SDPA over another number of

@@ -16,7 +16,7 @@ from lppo.run.checkpointing import TMP_MARK
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 3
 ARGS = [
     "--config", str(ROOT / "configs" / "tiny.yaml"),
@@ -33,7 +33,7 @@ def lppo_fit(root: Path, *extra: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[1])
     return {**os.environ, "PYTHONPATH": tests, "HF_HUB_OFFLINE": "1"}
 
 

@@ -32,7 +32,7 @@ from lppo.run.cli import run
 from lppo.run.system import PPOSystem, RolloutSettings
 from lppo.runtime.ray_runtime import RaySettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = [
     "--model.rollout.prompts_per_iteration",

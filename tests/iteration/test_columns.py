@@ -17,7 +17,7 @@ from lppo.modules import ActorModule, CriticModule
 from lppo.types import ADVANTAGES, GEN_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS, RETURNS, VALUES
 from lppo.validation import SettingError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_modules_declare_the_columns_their_chunks_read() -> None:

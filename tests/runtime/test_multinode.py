@@ -145,7 +145,7 @@ def test_ray_workers_spread_over_two_ray_nodes_on_loopback(tmp_path):
     import tempfile
 
     temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")  # Ray's socket paths are short
-    script = Path(__file__).with_name("ray_nodes_worker.py")
+    script = Path(__file__).resolve().parents[1] / "ray_nodes_worker.py"
     args = [str(script), temp_dir, str(tmp_path / "run")]
     out = finish(launch(args, node_env(), tmp_path), args)
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -97,7 +97,7 @@ def test_stale_temporaries_beside_the_target_are_removed_on_the_next_run(tmp_pat
 
 
 # ------------------------------------------------------------- checkpoints that carry code
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 #: Makes torch unpickle everything wherever a load does not ask for weights-only explicitly.
 UNSAFE_DEFAULT = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"

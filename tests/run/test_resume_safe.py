@@ -193,7 +193,7 @@ def test_a_reward_model_records_its_classifier_spec():
 
 
 # ------------------------------------------------------- every setting, through `lppo fit`
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHRUNK = ["--model.rollout.prompts_per_iteration", "4", "--model.rollout.samples_per_prompt", "2"]
 ACTOR = "--model.actor.init_args"
 

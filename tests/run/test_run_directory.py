@@ -71,7 +71,7 @@ def test_the_lock_refuses_a_second_process_naming_the_first(tmp_path):
 
 
 def env_here() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 
 def test_only_temporaries_of_a_gone_writer_are_removed(tmp_path):

@@ -21,7 +21,7 @@ from lppo.run.plan import PLAN_KEY, RunParts, RunPlan, plan_changes
 from lppo.run.system import PPOSystem
 from lppo.tasks import CopyTask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parts(precision: str = "32-true", **ppo: object) -> RunParts:

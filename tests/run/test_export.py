@@ -38,7 +38,7 @@ from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
 from lppo.types import Chunk
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 TEMPERATURE = 0.5  # a power of two: dividing the logits by it is exact
 
