@@ -14,7 +14,7 @@ import importlib.abc
 import importlib.util
 import sys
 from importlib.machinery import ModuleSpec
-from types import ModuleType
+from types import CodeType, ModuleType
 
 __all__ = ["MOVED", "MovedModules", "canonical_path", "install"]
 
@@ -67,8 +67,12 @@ def canonical_path(path: str) -> str:
     return path
 
 
-class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers an old module name with the moved module (the same object)."""
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """Answers an old module name with the moved module (the same object).
+
+    ``python -m <old name>`` (``python -m lppo.export CKPT DIR``) runs the moved module's
+    code as ``__main__`` (:meth:`get_code`).
+    """
 
     def __init__(self) -> None:
         self._specs: dict[str, ModuleSpec | None] = {}  # each moved module's own spec
@@ -79,13 +83,36 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """A spec loading the moved module under ``fullname`` (``None``: not a moved name)."""
         if fullname not in MOVED:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        # The moved file as origin: ``python -m <old name>`` gets it as __file__ / argv[0].
+        moved = importlib.util.find_spec(MOVED[fullname])
+        origin = moved.origin if moved is not None else None
+        return importlib.util.spec_from_loader(fullname, self, origin=origin)
 
     def create_module(self, spec: ModuleSpec) -> ModuleType:
         """The module at its new place, imported (and kept with its own spec)."""
         module = importlib.import_module(MOVED[spec.name])
         self._specs[spec.name] = module.__spec__
         return module
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The moved module's code (what ``runpy`` runs for ``python -m`` with the old name)."""
+        spec = importlib.util.find_spec(MOVED[fullname])
+        loader = spec.loader if spec is not None else None
+        if not isinstance(loader, importlib.abc.InspectLoader):
+            return None
+        return loader.get_code(MOVED[fullname])
+
+    def is_package(self, fullname: str) -> bool:
+        """No: every moved name is a module."""
+        return False
+
+    def get_source(self, fullname: str) -> str | None:
+        """The moved module's source (for tracebacks of ``python -m`` with the old name)."""
+        spec = importlib.util.find_spec(MOVED[fullname])
+        loader = spec.loader if spec is not None else None
+        if not isinstance(loader, importlib.abc.InspectLoader):
+            return None
+        return loader.get_source(MOVED[fullname])
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module ran at its new place; give it back its own spec."""

@@ -70,8 +70,10 @@ class PPOConfig:
             :func:`~lppo.iteration.old_logprobs.engine_obstacles`), ``auto`` (the default: ``actor``
             where it is exact, else ``engine`` where it is exact, else ``recompute``, logged
             at setup) or ``rollout`` (the engine's sampling log-probabilities,
-            ``gen_logprobs``, which are π_old only with no top-p / top-k / min-new-tokens
-            truncation; otherwise the PPO ratio is off-policy).
+            ``gen_logprobs``: never exact; they equal π_old only up to the engine's round-off,
+            its KV-cached pass in float32 (2e-5 in a float32 run; float32 rounding in a
+            float64 one), and only with no top-p / top-k / min-new-tokens truncation;
+            otherwise the PPO ratio is off-policy).
         old_values: where the critic's old values come from: ``score`` (a forward pass of the
             critic over every row in the score phase) or ``critic`` (the critic's first
             training epoch computes them, and the advantages and returns, chunk by chunk: one

@@ -40,11 +40,14 @@ class SamplingReport(Counts):
     """What dynamic sampling (``model.rollout.dynamic_sampling_rounds``) did on one rank.
 
     Attributes:
-        uniform_groups: prompt groups dropped because every sample got the same reward.
+        uniform_groups: prompt groups dropped because their finite rewards hold fewer than two
+            different values (exact equality, in the rewards' float64).
         surplus_groups: informative groups a refill generated beyond its block's quota (unused).
         short_groups: groups still missing after every refill round (the iteration trains on
             fewer).
         refills: refill ``generate`` calls (one per block and extra round).
+        nonfinite_groups: groups holding a NaN or infinite reward (those rows become invalid
+            when put; the group is judged on its finite rewards), kept or dropped.
         first_reward_sum: sum of the finite task rewards of the first round's samples (the
             prompts a run without dynamic sampling draws), kept or dropped.
         first_samples: how many rewards that sum holds.
@@ -54,6 +57,7 @@ class SamplingReport(Counts):
     surplus_groups: int = 0
     short_groups: int = 0
     refills: int = 0
+    nonfinite_groups: int = 0
     first_reward_sum: float = 0.0
     first_samples: int = 0
 
@@ -70,6 +74,7 @@ class SamplingReport(Counts):
             "surplus_groups": float(self.surplus_groups),
             "short_groups": float(self.short_groups),
             "refills": float(self.refills),
+            "nonfinite_groups": float(self.nonfinite_groups),
             "sampled_reward_mean": mean,
         }
 

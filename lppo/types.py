@@ -35,7 +35,7 @@ TRUNCATED = "truncated"
 # iteration it was generated for (stored with every row).
 POLICY_VERSION = "policy_version"
 FOR_ITERATION = "for_iteration"
-# Token-level (float32) extra of a multi-turn row: each turn's own reward on its last token.
+# Token-level (float64) extra of a multi-turn row: each turn's own reward on its last token.
 TURN_REWARDS = "turn_rewards"
 # Row-level (int64, 0-dim): which prompt of its batch a row answers (group baselines read it).
 PROMPT_INDEX = "prompt_index"
@@ -49,7 +49,8 @@ class Rollout:
         input_ids: ``len == n_rows``; row ``i`` is ``int64[L_i]`` (prompt followed by response).
         response_mask: ``bool[L_i]`` per row; ``True`` on response tokens that are trained on.
         gen_logprobs: ``float32[L_i]`` per row; the sampler's log-probabilities (0 off-response).
-        reward: ``float32[n_rows]``; the sequence-level score of each row.
+        reward: ``float64[n_rows]``; the sequence-level score of each row (float64 whatever the
+            run's dtype: one number per row, and a float64 run's advantages stay float64).
         prompt_index: ``int64[n_rows]``; which prompt of the batch each row answers.
         extras: any further per-row fields (``[L_i]`` token-level or 0-dim row-level tensors).
         dropped: samples lost while producing the rollout (not in it; they count against the

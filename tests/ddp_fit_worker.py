@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--precision", default="32-true", help="trainer.precision")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--tq-temp-dir", default=None)
     parser.add_argument("--old-values", default="score")
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         strategy=strategy,
         callbacks=callbacks,
         ray=RaySettings(temp_dir=args.tq_temp_dir),
+        precision=args.precision,
     )
     store = TransferQueueReplayStore() if args.tq_temp_dir else None
     data = ReplayDataModule(

@@ -62,6 +62,11 @@ def test_the_wheel_holds_every_package_and_imports(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().startswith(str(unpacked))
+    for module in ("lppo.run.export", "lppo.export"):  # the old -m path runs the moved module
+        cmd = [sys.executable, "-m", module, "--help"]
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.startswith("usage: python -m lppo.run.export"), out.stdout
 
 
 def test_the_layout_seam_is_still_importable_from_the_parallel_module() -> None:

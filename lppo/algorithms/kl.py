@@ -14,11 +14,18 @@ KLKind = Literal["k1", "k2", "k3"]
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:
     """Estimate ``KL(π ‖ π_ref)`` per sampled token (Schulman's estimators).
 
-    With ``d = log π(a) − log π_ref(a)``:
+    With ``d = clamp(log π(a) − log π_ref(a), ±20)``
+    (:data:`~lppo.algorithms.losses.LOG_RATIO_CLAMP`):
 
     * ``k1 = d`` (unbiased, can be negative),
     * ``k2 = d² / 2``,
     * ``k3 = exp(−d) − 1 + d`` (unbiased, non-negative).
+
+    The one clamp policy of lppo's KL, in the reward (``model.ppo.kl_coef``) and in the loss
+    (:func:`kl_loss`): ``d`` is bounded, the estimators' values are not. So every value is
+    finite in float32 (k3 at most ``e^20 − 21 ≈ 4.9e8``) and each estimator is exact
+    wherever ``|d| ≤ 20``; beyond, the value is the bound's and the gradient through ``d``
+    is 0 (a token that far from π_ref is not pulled further by this term).
 
     Args:
         logprobs: ``float[B, T]`` log-probabilities of the sampled tokens under π.
@@ -28,7 +35,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind)
     Returns:
         ``float[B, T]``.
     """
-    diff = logprobs - ref_logprobs
+    diff = torch.clamp(logprobs - ref_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return diff
     if kind == "k2":
@@ -41,9 +48,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind)
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:
     """Per-token KL penalty as a loss term (GRPO's ``β·KL`` in the loss), with its gradient.
 
-    The value is :func:`kl_penalty` of ``d = clamp(log π_θ − log π_ref, ±20)``
-    (:data:`~lppo.algorithms.losses.LOG_RATIO_CLAMP`, so ``exp(−d)`` stays finite), and
-    autograd through it gives each estimator's own gradient on the sampled tokens:
+    The value is :func:`kl_penalty` (its clamp policy: ``d = clamp(log π_θ − log π_ref, ±20)``,
+    gradient 0 beyond), and autograd through it gives each estimator's own gradient on the
+    sampled tokens where ``|d| < 20``:
 
     * ``k1 = d``: ``∇ = ∇log π_θ``, zero in expectation on-policy (the score function): as
       a loss term it adds variance, not a pull towards π_ref;
@@ -64,5 +71,4 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) ->
     Returns:
         ``float[B, T]``.
     """
-    d = torch.clamp(logprobs - ref_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return kl_penalty(d, torch.zeros_like(d), kind)
+    return kl_penalty(logprobs, ref_logprobs, kind)

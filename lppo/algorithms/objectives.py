@@ -105,17 +105,17 @@ class ClippedPPO:
 
 
 def sequence_log_ratio(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, clamp: bool = True
 ) -> torch.Tensor:
     """GSPO's length-normalized sequence log-ratio, ``float[B, 1]``.
 
     ``log s_i = (1/|y_i|) Σ_t m_t (log π_θ − log π_old)``, clamped to ±:data:`LOG_RATIO_CLAMP`
-    (``|y_i|`` the row's masked tokens; 0 for a row without one).
+    unless ``clamp=False`` (``|y_i|`` the row's masked tokens; 0 for a row without one).
     """
     m = mask.to(logprobs.dtype)
     total = ((logprobs - old_logprobs) * m).sum(dim=-1, keepdim=True)
     mean = total / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
-    return torch.clamp(mean, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(mean, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) if clamp else mean
 
 
 class GSPO:
@@ -133,6 +133,10 @@ class GSPO:
     sign (on the sequence alone with one advantage per sequence); the actor reports the
     fraction of rows with a clipped token (``seq_clip_fraction``). The paper's ranges are tiny
     because ``s_i`` is a geometric mean of token ratios: ``3e-4`` / ``4e-4``.
+
+    The token log-ratio ``log s_{i,t}`` (value and gradient path) is clamped to
+    ±:data:`LOG_RATIO_CLAMP`: where the cap bounds the value, the gradient is 0 (as verl's
+    clamp of the same quantity), so no token of a sequence that moved that far pushes further.
 
     Args:
         clip_low: ε_low of the sequence-ratio clip.
@@ -155,9 +159,11 @@ class GSPO:
         mask: torch.Tensor,
     ) -> PolicyTerms:
         """See :class:`PolicyObjective`."""
-        log_s = sequence_log_ratio(logprobs, old_logprobs, mask).detach()
-        token_log_ratio = log_s + logprobs - logprobs.detach()
-        ratio = torch.exp(token_log_ratio)  # value s_i, gradient s_i·∇log π_θ
+        log_s = sequence_log_ratio(logprobs, old_logprobs, mask, clamp=False).detach()
+        token_log_ratio = torch.clamp(
+            log_s + logprobs - logprobs.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+        )
+        ratio = torch.exp(token_log_ratio)  # value s_i, gradient s_i·∇log π_θ (0 at the cap)
         unclipped = -advantages * ratio
         bounded = torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)
         clipped_obj = -advantages * bounded

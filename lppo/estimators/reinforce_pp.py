@@ -13,7 +13,11 @@ from lppo.validation import check_number
 
 
 class ReinforcePP(RecordsInitArgs):
-    """Critic-free token advantages: ``A_t = whiten(Σ_{t' ≥ t} γ^{t'−t} r_{t'})``.
+    """Critic-free token advantages: ``A_t = whiten(Σ_{t' ≥ t} γ^{k(t, t')} r_{t'})``.
+
+    The sum runs over the row's valid tokens ``t' ≥ t``, and ``k(t, t')`` counts the valid
+    tokens after ``t`` up to ``t'``: masked positions (a multi-turn row's observations) are
+    skipped, not discounted; in a single-turn row it is ``t' − t``.
 
     ``r_t = r·[t = last] − β·KL_t`` (:func:`~lppo.algorithms.token_rewards`, KL in the reward),
     the discounted return walks valid tokens (GAE with ``V = 0`` and ``λ = 1`` is exactly that

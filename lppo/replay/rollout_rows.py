@@ -77,7 +77,7 @@ class StoredRollout:
 
     Attributes:
         row_ids: the rows' ids, in sample order.
-        reward: ``float32[n]``; each row's reward as the task gave it (before a bad reward was
+        reward: ``float64[n]``; each row's reward as the task gave it (before a bad reward was
             zeroed).
         response_tokens: ``float32[n]``; each row's response tokens as generated (before
             masking).

@@ -52,7 +52,7 @@ class GenerationOutput:
         prompt_lengths: ``int64[n]``; number of prompt tokens of each sample.
         dropped: samples the engine lost for good (a worker that kept failing); they are
             missing here and count against ``data.drop_budget``.
-        turn_rewards: multi-turn samples only: ``float32[L_i]`` per sample, each turn's own
+        turn_rewards: multi-turn samples only: ``float64[L_i]`` per sample, each turn's own
             reward on the turn's last token (0 elsewhere); ``None`` for single-turn samples.
         episodes: multi-turn samples only: what the episodes did (every episode the call
             ran, also those a later selection drops).
@@ -255,7 +255,7 @@ def to_rollout(
     Raises:
         ValueError: if the number of rewards differs from the number of samples.
     """
-    reward = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
+    reward = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
     if reward.numel() != len(output):
         raise ValueError(f"{reward.numel()} rewards for {len(output)} samples")
     extras: dict[str, list[torch.Tensor]] = {}

@@ -35,6 +35,8 @@ class EngineCapabilities:
             the engine has no workers).
         max_row_tokens: the longest row the engine can put, prompt included (``None``: the
             task's longest prompt, one separator and ``model.rollout.max_new_tokens``).
+        multi_turn: a row holds several policy turns, each bounded by
+            ``model.rollout.max_new_tokens`` (a per-turn limit, not the row's).
     """
 
     generates_elsewhere: bool = False
@@ -44,6 +46,7 @@ class EngineCapabilities:
     enable_policy_logprobs: Callable[[], None] | None = None
     take_restarts: Callable[[], int] | None = None
     max_row_tokens: int | None = None
+    multi_turn: bool = False
 
 
 @runtime_checkable

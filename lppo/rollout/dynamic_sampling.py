@@ -37,17 +37,22 @@ from lppo.types import Rollout, SamplingReport
 def informative_rows(
     reward: torch.Tensor, prompt_index: torch.Tensor, quota: int
 ) -> tuple[list[int], SamplingReport]:
-    """The rows of the first ``quota`` groups whose rewards are not all equal, in order.
+    """The rows of the first ``quota`` informative groups, in order.
+
+    A group is informative when its finite rewards hold two different values, compared
+    exactly in the rewards' dtype (float64: rewards that differ anywhere differ here). A
+    non-finite reward's row becomes invalid when put, so it carries no signal: its group is
+    judged on the other rewards and counted in ``nonfinite_groups``.
 
     Args:
-        reward: ``float[n]`` one reward per sample (a non-finite reward never equals another,
-            so its group is kept; the row itself becomes invalid when put).
+        reward: ``float64[n]`` one reward per sample.
         prompt_index: ``int64[n]`` the prompt each sample answers (a group's samples are
             contiguous).
         quota: informative groups wanted.
 
     Returns:
-        The kept rows' indices and the counts (``uniform_groups``, ``surplus_groups``).
+        The kept rows' indices and the counts (``uniform_groups``, ``surplus_groups``,
+        ``nonfinite_groups``).
     """
     report = SamplingReport()
     kept: list[int] = []
@@ -57,7 +62,9 @@ def informative_rows(
         rows = list(range(start, start + size))
         start += size
         values = reward[rows]
-        if bool((values == values[0]).all()):
+        finite = values[torch.isfinite(values)]
+        report.nonfinite_groups += int(len(finite) < len(values))
+        if len(finite) < 2 or bool((finite == finite[0]).all()):
             report.uniform_groups += 1
         elif held < quota:
             kept += rows

@@ -96,8 +96,8 @@ class MultiTurnEngine(RecordsInitArgs):
         self._tokenizer: Any = None
 
     def capabilities(self) -> EngineCapabilities:
-        """Its rows are bounded by ``max_tokens``, prompt and every turn included."""
-        return EngineCapabilities(max_row_tokens=self.max_tokens)
+        """Rows of several turns, bounded by ``max_tokens`` (prompt and every turn included)."""
+        return EngineCapabilities(max_row_tokens=self.max_tokens, multi_turn=True)
 
     @property
     def weights_version(self) -> int:
@@ -249,7 +249,7 @@ def _pack(trajectories: list[_Trajectory], report: EpisodeReport) -> GenerationO
         prompt_index=torch.tensor([t.prompt_index for t in trajectories], dtype=torch.int64),
         prompt_lengths=torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64),
         turn_rewards=[
-            torch.tensor([0.0] * t.prompt_length + t.turn_rewards, dtype=torch.float32)
+            torch.tensor([0.0] * t.prompt_length + t.turn_rewards, dtype=torch.float64)
             for t in trajectories
         ],
         episodes=report,

@@ -179,7 +179,7 @@ def score(
             from ``model.ppo.reward_timeout_s``).
 
     Returns:
-        ``float32[n]`` rewards (non-finite ones make their rows invalid later). A multi-turn
+        ``float64[n]`` rewards (non-finite ones make their rows invalid later). A multi-turn
         sample's reward is its episode's return: the task's score of the final answer plus
         the sum of its turns' own rewards (``output.turn_rewards``).
 
@@ -209,7 +209,7 @@ def score(
         values = [
             v + float(t.double().sum()) for v, t in zip(values, output.turn_rewards, strict=True)
         ]
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def _checked_values(

@@ -217,6 +217,15 @@ def _check_rules(parts: RunParts) -> None:
             "in a collective; set it to 0."
         )
     parts.ppo.row_rules(r.max_new_tokens)  # overlong shaping fits the response length
+    if parts.ppo.overlong_buffer and capabilities_of(parts.engine).multi_turn:
+        raise SettingError(
+            f"model.ppo.overlong_buffer={parts.ppo.overlong_buffer} with a multi-turn engine "
+            f"({type(parts.engine).__name__}): DAPO's overlong shaping measures one response "
+            "against model.rollout.max_new_tokens, which bounds each turn here, not the "
+            "episode (a row's turns together could take more than the documented floor "
+            "-overlong_penalty); set model.ppo.overlong_buffer: 0 (bound episodes with the "
+            "engine's max_tokens and max_turns instead)."
+        )
 
 
 def _runner(parts: RunParts) -> RolloutRunner:

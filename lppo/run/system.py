@@ -167,6 +167,8 @@ class PPOSystem(LightningModule):
                 parallel = parallel_context(trainer.strategy)
                 callbacks = [cb for cb in trainer.callbacks if isinstance(cb, PPOCallback)]
             self._configure_modules(parallel)
+            if trainer is not None:  # in trainer.precision's dtype before anything copies them
+                trainer.strategy.precision_plugin.convert_module(self)
             data = self._datamodule(trainer)
             # 2. plan: every auto and every rule across setting groups
             plan = RunPlan.resolve(self._parts(trainer, parallel, data))

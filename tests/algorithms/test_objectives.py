@@ -151,3 +151,36 @@ def test_bad_objective_settings_name_the_key(cls, kwargs, key):
     prefix = r"model\.actor\.init_args\.objective\.init_args\."
     with pytest.raises(SettingError, match=rf"{prefix}{key}="):
         cls(**kwargs)
+
+
+def test_gspo_cap_bounds_the_value_and_stops_the_gradient():
+    """Beyond ±20 the sequence log-ratio is the cap's, and no gradient flows (as verl's clamp);
+    inside, the token form's gradient ``s_i·∇log π_θ`` is untouched."""
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.full((1, 2), -1.0, dtype=torch.float64)
+    for log_s, flows in ((25.0, False), (-25.0, False), (12.0, True)):
+        lp = torch.full((1, 2), log_s - 1.0, dtype=torch.float64, requires_grad=True)
+        old = torch.full((1, 2), -1.0, dtype=torch.float64)
+        terms = GSPO()(lp, old, adv, mask)
+        (grad,) = torch.autograd.grad(terms.loss.sum(), lp)
+        want = math.exp(max(-20.0, min(20.0, log_s)))
+        torch.testing.assert_close(terms.ratio.detach(), torch.full((1, 2), want).double())
+        assert bool((grad != 0).any()) is flows, log_s
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_has_one_clamp_policy_in_the_reward_and_the_loss(kind):
+    """``d`` is clamped to ±20 in both places: the value at ±25 is the value at ±20 (finite in
+    float32, k3 ≤ e^20 − 21) and the loss's gradient there is 0."""
+    from lppo.algorithms import kl_penalty
+
+    ref = torch.zeros(4)
+    far = torch.tensor([25.0, -25.0, 1e4, -1e4])
+    edge = torch.tensor([20.0, -20.0, 20.0, -20.0])
+    assert torch.equal(kl_penalty(far, ref, kind), kl_penalty(edge, ref, kind))
+    assert torch.isfinite(kl_penalty(far, ref, kind)).all()
+    assert float(kl_penalty(far, ref, kind).max()) <= math.exp(20) - 21 + 1e3
+    lp = far.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(kl_loss(lp, ref, kind).sum(), lp)
+    assert torch.equal(grad, torch.zeros(4))
+    assert torch.equal(kl_loss(far, ref, kind), kl_penalty(far, ref, kind))

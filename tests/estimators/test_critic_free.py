@@ -235,3 +235,20 @@ def test_group_statistics_are_exact_across_ranks(tmp_path):
         assert sorted(got) == sorted(want)
         for i in want:
             torch.testing.assert_close(got[i], want[i], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", [GRPO(), RLOO(), ReinforcePP()])
+def test_rewards_group_advantages_and_shaping_are_float64(estimator):
+    """A reward is float64 from the task to the advantages (one number per row: nothing is
+    rounded to float32 on the way, in any run), and so is DAPO's overlong penalty."""
+    from lppo.replay.rollout_rows import RowRules, mark_invalid
+
+    store, _ = make_store(3, 2, seed=5)
+    assert {store.read([i], [REWARD])[REWARD][0].dtype for i in range(6)} == {torch.float64}
+    advantages = run(estimator, store, 64, 0.0, "k1")
+    assert {a.dtype for a in advantages.values()} == {torch.float64}
+    third = torch.tensor(1 / 3, dtype=torch.float64)
+    columns = {RESPONSE_MASK: [torch.ones(4, dtype=torch.bool)], REWARD: [third]}
+    mark_invalid(columns, RowRules(overlong_buffer=2, overlong_penalty=1.0, max_new_tokens=4))
+    assert columns[REWARD][0].dtype == torch.float64
+    assert float(columns[REWARD][0]) == 1 / 3 - 1.0

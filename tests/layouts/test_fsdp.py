@@ -94,6 +94,13 @@ def fits(tmp_path_factory) -> Path:
     assert procs[2].wait(timeout=240) != 0  # SIGKILLed at the start of its last iteration
     procs = [start(args, root) for args in [_sharded(root / "killed", "--resume"), *jobs[6:]]]
     finish_all(procs, [["--resume"], *jobs[6:]])
+    # float32-built models in a 64-true run, every auto at its default (old_logprobs: auto)
+    in64 = ("--precision=64-true", "--dtype=float32")
+    jobs = [
+        _sharded(root / "fsdp-64-true", *in64),
+        _job(root / "single-64-true", "--devices=1", *in64),
+    ]
+    finish_all([start(args, root) for args in jobs], jobs)
     return root
 
 
@@ -122,6 +129,17 @@ def test_sharded_fit_equals_one_process_under_another_chunk_budget(fits, name):
         assert torch.equal(got[0][key], got[1][key]), key
         scale = value.abs().max().clamp_min(1e-300)
         assert (got[0][key] - value).abs().max() <= 1e-10 * scale, key
+
+
+def test_a_64_true_run_with_default_settings_equals_one_process(fits):
+    """``trainer.precision 64-true`` on float32-built models: π_old is never the float32
+    engine's (the run plan decides at the final dtype), so 2 sharded ranks equal 1 process."""
+    want = _state(fits / "single-64-true")
+    assert {v.dtype for v in want.values() if v.is_floating_point()} == {torch.float64}
+    got = _state(fits / "fsdp-64-true")
+    for key, value in want.items():
+        scale = value.abs().max().clamp_min(1e-300)
+        assert (got[key] - value).abs().max() <= 1e-10 * scale, key
 
 
 def test_killed_and_resumed_sharded_fit_ends_bitwise_like_the_uninterrupted_one(fits):

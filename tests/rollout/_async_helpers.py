@@ -129,6 +129,7 @@ def fit(
     store: Any = None,
     ray: Any = None,
     rollout: dict[str, Any] | None = None,
+    precision: str = "32-true",
     **ppo: Any,
 ) -> tuple[PPOTrainer, PPOSystem]:
     """A small GAE run with lag ``staleness`` (1 torch thread: the child matches it).
@@ -157,6 +158,7 @@ def fit(
         accelerator="cpu",
         callbacks=list(callbacks),
         ray=ray if ray is not None else RaySettings(),
+        precision=precision,
     )
     data = ReplayDataModule(max_tokens_per_chunk=40, store=store)
     trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)

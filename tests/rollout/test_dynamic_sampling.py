@@ -50,13 +50,28 @@ def sampled_rewards(root) -> list[float]:
 
 
 def test_informative_rows_drops_uniform_groups_and_keeps_the_first_up_to_the_quota():
-    reward = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 0.5, math.nan, 0.0, 1.0])
-    index = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    reward = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 0.5, math.nan, 0.0, 1.0, 3.0, 4.0])
+    index = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
     rows, report = informative_rows(reward, index, quota=2)
-    assert rows == [2, 3, 6, 7]  # group 1, then group 3 (a non-finite reward is kept)
-    assert (report.uniform_groups, report.surplus_groups) == (2, 1)
+    assert rows == [2, 3, 8, 9]  # groups 1 and 4 (group 3 has one finite reward: no signal)
+    assert (report.uniform_groups, report.surplus_groups, report.nonfinite_groups) == (3, 1, 1)
     rows, report = informative_rows(reward, index, quota=5)
-    assert rows == [2, 3, 6, 7, 8, 9] and report.surplus_groups == 0
+    assert rows == [2, 3, 8, 9, 10, 11] and report.surplus_groups == 0
+
+
+def test_the_uniform_rule_is_exact_equality_of_finite_float64_rewards():
+    """Rewards that differ below float32's resolution differ; a group is judged on its finite
+    rewards (a NaN or infinite one makes its row invalid when put), and is counted."""
+    reward = torch.tensor(
+        [1.0, 1.0 + 1e-12, 0.3, 0.3, math.inf, 0.0, 1.0, -math.inf, 2.0, 2.0, math.nan, math.nan],
+        dtype=torch.float64,
+    )
+    assert reward.dtype == torch.float64
+    index = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4])
+    rows, report = informative_rows(reward, index, quota=10)
+    assert rows == [0, 1, 4, 5, 6]  # 1 vs 1 + 1e-12 kept; inf beside 0 and 1 kept
+    assert (report.uniform_groups, report.nonfinite_groups) == (3, 3)
+    assert report.metrics()["nonfinite_groups"] == 3.0
 
 
 def test_every_kept_group_has_a_signal_and_the_counts_add_up(tmp_path):

@@ -154,7 +154,7 @@ def test_to_rollout_and_score(llama):
     prompts = _prompts(4)
     out = _engine(llama, max_new_tokens=5).generate(prompts, samples_per_prompt=2)
     rewards = score(TASK, prompts, out)
-    assert rewards.shape == (8,) and rewards.dtype == torch.float32
+    assert rewards.shape == (8,) and rewards.dtype == torch.float64
     assert ((rewards >= 0) & (rewards <= 1)).all()
     rollout = to_rollout(out, rewards)
     assert len(rollout) == 8

@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch
 from _async_helpers import (
     Jitter,
     Provenance,
@@ -85,6 +86,15 @@ def test_stale_rollouts_equal_the_synchronous_oracle(tmp_path, staleness):
         assert pairs == {(t, max(0, t - staleness))}
     # the lag is exactly s once the first s iterations have passed
     assert [r["staleness"] for r in run.run_log.history] == [min(t, staleness) for t in range(5)]
+
+
+def test_the_background_process_generates_in_a_float64_run_s_dtype(tmp_path):
+    """``trainer.precision 64-true`` with float32-built models: the process's copy of the
+    policy is float64 too, so its rows are the in-trainer oracle's, bitwise."""
+    _, oracle = fit(tmp_path / "oracle", 3, 1, runner=InlineRunner(), precision="64-true")
+    _, run = fit(tmp_path / "async", 3, 1, runner=ProcessRunner(), precision="64-true")
+    assert {v.dtype for v in params(run).values() if v.is_floating_point()} == {torch.float64}
+    assert_same(params(oracle), params(run))
 
 
 def test_lag_counts_published_versions_through_critic_warmup(tmp_path):

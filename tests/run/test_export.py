@@ -7,6 +7,8 @@ Everything loads offline (``local_files_only=True``). Fits are tiny: 4 prompts x
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -292,6 +294,12 @@ def test_checkpoint_export_equals_the_export_at_the_end_of_fit(
     assert "policy: " in capsys.readouterr().out
     assert_same_dirs(tmp_path / "from-main" / POLICY_DIR, hf / POLICY_DIR)
     assert not (tmp_path / "from-main" / CRITIC_DIR).exists()
+    for module in ("lppo.run.export", "lppo.export"):  # the command line, old -m path too
+        out = tmp_path / f"from-{module}"
+        cmd = [sys.executable, "-m", module, str(ckpt), str(out), "--no-critic"]
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert_same_dirs(out / POLICY_DIR, hf / POLICY_DIR)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         hf / POLICY_DIR, local_files_only=True
     )

@@ -24,7 +24,7 @@ from lppo.tasks import CopyTask
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def parts(precision: str = "32-true", **ppo: object) -> RunParts:
+def parts(precision: str = "32-true", engine: object = None, **ppo: object) -> RunParts:
     tok = build_char_tokenizer(CopyTask().vocabulary())
     actor = ActorModule(spec(0))
     actor.configure_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
@@ -32,7 +32,7 @@ def parts(precision: str = "32-true", **ppo: object) -> RunParts:
         actor=actor,
         critic=None,
         reference=None,
-        engine=HFGenerateEngine(),
+        engine=engine if engine is not None else HFGenerateEngine(),  # type: ignore[arg-type]
         estimator=GRPO(),
         ppo=PPOConfig(**ppo),  # type: ignore[arg-type]
         rollout=RolloutSettings(),
@@ -141,3 +141,20 @@ def test_a_key_decided_again_shows_once_with_its_last_value() -> None:
     plan = RunPlan(PPOConfig(), None, 1, [Decision(key, "on"), Decision("k", "v"), later])  # type: ignore[arg-type]
     assert plan.final() == [later, Decision("k", "v")]
     assert plan.state_dict()[key] == {"setting": "auto", "value": "off"}
+
+
+def test_overlong_shaping_on_multi_turn_rows_is_refused_at_setup() -> None:
+    """``max_new_tokens`` bounds each turn there: DAPO's per-response ramp would go below
+    ``-overlong_penalty`` on a row of several turns."""
+    from lppo.envs import HiddenDigitEnvironment
+    from lppo.rollout import MultiTurnEngine
+    from lppo.rollout.ray_workers import RayWorkersEngine
+    from lppo.validation import SettingError
+
+    for engine in (
+        MultiTurnEngine(HFGenerateEngine(), HiddenDigitEnvironment()),
+        RayWorkersEngine(engine=MultiTurnEngine(HFGenerateEngine(), HiddenDigitEnvironment())),
+    ):
+        with pytest.raises(SettingError, match=r"overlong_buffer=1 with a multi-turn engine"):
+            RunPlan.resolve(parts(engine=engine, overlong_buffer=1))
+    RunPlan.resolve(parts(engine=MultiTurnEngine(HFGenerateEngine(), HiddenDigitEnvironment())))

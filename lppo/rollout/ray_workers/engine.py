@@ -194,8 +194,13 @@ class RayWorkersEngine(RecordsInitArgs):
 
     def capabilities(self) -> EngineCapabilities:
         """Generation in the workers; restarts counted; the workers' engine bounds the rows."""
-        bound = capabilities_of(self.engine).max_row_tokens
-        return EngineCapabilities(True, take_restarts=self.take_restarts, max_row_tokens=bound)
+        inner = capabilities_of(self.engine)
+        return EngineCapabilities(
+            True,
+            take_restarts=self.take_restarts,
+            max_row_tokens=inner.max_row_tokens,
+            multi_turn=inner.multi_turn,
+        )
 
     def take_restarts(self) -> int:
         """Workers replaced since the last call (the rollout source logs them per iteration)."""
