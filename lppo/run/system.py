@@ -57,9 +57,8 @@ class PPOSystem(LightningModule):
     critic epochs → actor epochs → release; 3. the new weights published, and the iteration
     ``max_staleness + 1`` ahead admitted with them.
 
-    Data parallelism (``trainer.strategy=ppo_ddp`` and several devices): each rank generates,
-    scores and trains its own blocks of prompts; gradients and statistics are reduced across
-    ranks, so the result is the single-process one (Lightning's own ``ddp`` is rejected).
+    Data parallelism (``trainer.strategy=ppo_ddp``, several devices): each rank generates, scores
+    and trains its own blocks of prompts; gradients and statistics are reduced across ranks.
 
     Args:
         actor: the policy (subclass :class:`ActorModule` to customize it).
@@ -111,14 +110,12 @@ class PPOSystem(LightningModule):
         super().__init__()
         _check_own_settings(seed, num_threads, resize_embeddings)
         self.resize_embeddings = resize_embeddings
-        # Under LightningCLI the hparams are the parsed config (class_path / init_args), from
-        # which `PPOSystem.load_from_checkpoint` rebuilds everything; from Python, objects are
-        # kept out of the hparams so checkpoints stay loadable with weights_only=True.
+        # Under LightningCLI the hparams are the parsed config, from which load_from_checkpoint
+        # rebuilds everything; from Python, objects stay out (weights_only=True loads).
         objects = "actor critic task engine estimator reward_model rollout ppo runner".split()
         self.save_hyperparameters(ignore=[] if instantiated_by_cli() else objects, logger=False)
         self.automatic_optimization = False
-        self.actor = actor
-        self.critic = critic
+        self.actor, self.critic = actor, critic
         self.task = task
         self.engine: RolloutEngine = engine if engine is not None else HFGenerateEngine()
         self.estimator: AdvantageEstimator = estimator if estimator is not None else GAE()
@@ -223,9 +220,8 @@ class PPOSystem(LightningModule):
             self.actor,
             self.critic,
             data,
-            None,  # the plan's resolved model.ppo (plan=) is the controller's config
-            self.reference,
-            callbacks,
+            reference=self.reference,  # config: the plan's resolved model.ppo (plan=)
+            callbacks=callbacks,
             estimator=self.estimator,
             parallel=parallel,
             trainer=trainer,
@@ -269,10 +265,9 @@ class PPOSystem(LightningModule):
 
     def _max_row_length(self) -> int:
         """The longest row a rollout can put: the engine's bound, else prompt + response."""
+        single = self.task.max_prompt_length() + 1 + self.rollout.max_new_tokens
         bound = capabilities_of(self.engine).max_row_tokens  # a multi-turn engine's max_tokens
-        if bound is not None:
-            return bound
-        return self.task.max_prompt_length() + 1 + self.rollout.max_new_tokens
+        return single if bound is None else bound
 
     def _configure_modules(self, parallel: ParallelContext) -> None:
         """Build the tokenizer, actor, critic, reward model and the frozen reference.
@@ -281,9 +276,9 @@ class PPOSystem(LightningModule):
         (``trim_prompt``) depends on whether its layout shards the weights.
         """
         self.tokenizer = tok = run_tokenizer(self.task, self.tokenizer_path)
-        for role in (self.actor, self.critic):
-            if role is not None:
-                role.parallel = parallel
+        roles = [m for m in (self.actor, self.critic) if m is not None]
+        for role in roles:
+            role.parallel = parallel
         modules = (self.actor, self.critic, self.reward_model)
         check_vocabularies(tok, modules, self.resize_embeddings)
         ids = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
@@ -292,9 +287,8 @@ class PPOSystem(LightningModule):
             if module is not None:
                 module.configure_model(*ids)
         self.actor.temperature = self.rollout.temperature
-        for module in (self.actor, self.critic):
-            if module is not None:
-                module.max_response_tokens = self.rollout.max_new_tokens
+        for role in roles:
+            role.max_response_tokens = self.rollout.max_new_tokens
         if self.ppo.kl_coef > 0 or self.actor.needs_reference:
             self.reference = self.actor.reference_policy()
 
@@ -315,9 +309,7 @@ class PPOSystem(LightningModule):
         """Close what the run started, in reverse start order, once (:mod:`lppo.runtime.lifetimes`).
 
         Runner, engine (its workers and tool servers), store (Ray stops with the last of its
-        users). After a failure (called
-        from the exception's handler) a failing close is logged, so the run's own error stays
-        the one raised.
+        users). After a failure a failing close is logged: the run's own error stays raised.
         """
         self.resources.close(raise_errors=sys.exc_info()[0] is None)
 

@@ -242,7 +242,17 @@ def test_rewards_group_advantages_and_shaping_are_float64(estimator):
     """A reward is float64 from the task to the advantages (one number per row: nothing is
     rounded to float32 on the way, in any run), and so is DAPO's overlong penalty."""
     from lppo.replay.rollout_rows import RowRules, mark_invalid
+    from lppo.rollout.base import GenerationOutput, to_rollout
 
+    ids = [torch.tensor([1, 2, 3])] * 2
+    mask = [torch.tensor([False, True, True])] * 2
+    output = GenerationOutput(
+        ids, mask, [torch.zeros(3)] * 2, ["a", "b"], torch.zeros(2, dtype=torch.bool),
+        torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64),
+    )  # fmt: skip
+    rewards = [1 / 3, 1 / 3 + 1e-12]
+    rollout = to_rollout(output, rewards)
+    assert rollout.reward.dtype == torch.float64 and rollout.reward.tolist() == rewards
     store, _ = make_store(3, 2, seed=5)
     assert {store.read([i], [REWARD])[REWARD][0].dtype for i in range(6)} == {torch.float64}
     advantages = run(estimator, store, 64, 0.0, "k1")

@@ -17,16 +17,13 @@ Weights: :meth:`sync_from` puts the policy's state dict into Ray's object store 
 worker loads it and reports the version; every part's result carries the version the worker
 sampled from, and a part sampled from another version than :attr:`weights_version` is refused.
 
-Failures: every wait is bounded by ``timeout_s`` and fails with :class:`RolloutWorkerError`
-naming the worker and the knob. A worker that died (killed, crashed) is replaced by a fresh
-actor loaded with the current weights, up to ``max_restarts`` times per call (a replacement
-that dies while loading counts and is replaced in turn): during a rollout its part is retried,
-and a part that still fails is dropped (its samples are missing from the output and counted as
-dropped, against ``data.drop_budget``); during a weight sync a worker that cannot be replaced
-fails the call with :class:`RolloutWorkerError` naming the worker and ``max_restarts``. Every
-replacement logs one warning and is counted in :meth:`take_restarts` (the rollout source
-reports it as ``rollout/worker_restarts``). A raylet that dies takes the whole process with it
-(:mod:`lppo.runtime.ray_runtime` reports it).
+Failures: every wait is bounded by ``timeout_s`` (:class:`RolloutWorkerError` names the worker
+and the knob). A dead worker is replaced by a fresh actor with the current weights, up to
+``max_restarts`` times per call (a replacement that dies while loading counts too): during a
+rollout its part is retried, and a part that still fails is dropped (counted against
+``data.drop_budget``); during a weight sync a worker that cannot be replaced fails the call.
+Each replacement logs a warning and is counted (``rollout/worker_restarts``). A raylet that
+dies takes the whole process with it (:mod:`lppo.runtime.ray_runtime` reports it).
 
 Ray comes from :mod:`lppo.runtime.ray_runtime`, as ``trainer.ray`` says (a local Ray on loopback,
 or a cluster address); :meth:`close` kills the workers and releases Ray. Needs the ``[ray]`` extra.
@@ -196,7 +193,7 @@ class RayWorkersEngine(RecordsInitArgs):
         """Generation in the workers; restarts counted; the workers' engine bounds the rows."""
         inner = capabilities_of(self.engine)
         return EngineCapabilities(
-            True,
+            generates_elsewhere=True,
             take_restarts=self.take_restarts,
             max_row_tokens=inner.max_row_tokens,
             multi_turn=inner.multi_turn,
