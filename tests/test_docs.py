@@ -168,6 +168,24 @@ def test_parser_on_synthetic_markdown() -> None:
     assert _marker_of("<!-- long -->") is None
 
 
+#: ``$TMPDIR`` without a default: empty on most Linux shells, so ``"$TMPDIR/x"`` is ``/x``.
+BARE_TMPDIR = re.compile(r"\$TMPDIR\b|\$\{TMPDIR\}")
+#: An option or redirection followed by the path it writes to.
+WRITTEN = re.compile(r"(?:default_root_dir[ =]|--out[ =]|-w |>>? ?)\"?(?P<path>/[^\s\"']*)")
+
+
+def test_no_shell_block_writes_outside_a_temporary_or_the_working_directory() -> None:
+    """Pasted as is, with ``TMPDIR`` unset, no doc command writes to ``/`` or another root."""
+    unsafe = []
+    for block in all_blocks():
+        if BARE_TMPDIR.search(block.code):
+            unsafe.append(f"{block.id}: $TMPDIR without a default (use ${{TMPDIR:-/tmp}})")
+        for match in WRITTEN.finditer(block.code):
+            if not match.group("path").startswith(("/tmp/", "/dev/null")):
+                unsafe.append(f"{block.id}: writes to {match.group('path')}")
+    assert not unsafe, "\n".join(unsafe)
+
+
 RUN_BLOCKS = [block for block in all_blocks() if block.marker == "run"]
 
 

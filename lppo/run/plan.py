@@ -44,7 +44,7 @@ from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.pipeline import default_runner, stale_correction
 from lppo.rollout.runners import RolloutRunner
-from lppo.types import OLD_LOGPROBS, REF_LOGPROBS
+from lppo.types import OLD_LOGPROBS, PROMPT_INDEX, REF_LOGPROBS
 from lppo.validation import SettingError
 
 __all__ = ["PLAN_KEY", "RunParts", "RunPlan", "plan_changes", "resolve_columns"]
@@ -217,6 +217,15 @@ def _check_rules(parts: RunParts) -> None:
             "in a collective; set it to 0."
         )
     parts.ppo.row_rules(r.max_new_tokens)  # overlong shaping fits the response length
+    name = type(parts.estimator).__name__
+    if PROMPT_INDEX in parts.estimator.reads() and r.samples_per_prompt < 2:
+        raise SettingError(
+            f"model.rollout.samples_per_prompt={r.samples_per_prompt} with model.estimator={name}, "
+            "which compares the samples of each prompt: with one sample every advantage is 0 "
+            "(or has no baseline) and nothing trains; set model.rollout.samples_per_prompt >= 2 "
+            "(configs/grpo.yaml: 4), or use an estimator without groups (lppo.estimators.GAE, "
+            "ReinforcePP)."
+        )
     if parts.ppo.overlong_buffer and capabilities_of(parts.engine).multi_turn:
         raise SettingError(
             f"model.ppo.overlong_buffer={parts.ppo.overlong_buffer} with a multi-turn engine "

@@ -158,3 +158,19 @@ def test_overlong_shaping_on_multi_turn_rows_is_refused_at_setup() -> None:
         with pytest.raises(SettingError, match=r"overlong_buffer=1 with a multi-turn engine"):
             RunPlan.resolve(parts(engine=engine, overlong_buffer=1))
     RunPlan.resolve(parts(engine=MultiTurnEngine(HFGenerateEngine(), HiddenDigitEnvironment())))
+
+
+@pytest.mark.parametrize("estimator", ["GRPO", "RLOO"])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused_at_setup(estimator) -> None:
+    """GRPO would train on zero advantages; RLOO would fail inside iteration 1."""
+    import dataclasses
+
+    from lppo import estimators
+    from lppo.validation import SettingError
+
+    one = dataclasses.replace(parts(), rollout=RolloutSettings(samples_per_prompt=1))
+    one = dataclasses.replace(one, estimator=getattr(estimators, estimator)())
+    refused = rf"samples_per_prompt=1 with model.estimator={estimator}"
+    with pytest.raises(SettingError, match=refused):
+        RunPlan.resolve(one)
+    RunPlan.resolve(dataclasses.replace(one, estimator=estimators.ReinforcePP()))
