@@ -32,6 +32,7 @@ from lppo.estimators.base import (
 from lppo.iteration.columns import old_values
 from lppo.modules import CriticModule
 from lppo.types import ADVANTAGES, RETURNS, VALUES, Chunk, RolloutStats
+from lppo.validation import SettingError
 
 __all__ = [
     "AdvantagePhase",
@@ -158,7 +159,7 @@ def resolve_old_values(
     names them. An explicit ``score`` is returned unchanged.
 
     Raises:
-        ValueError: a critic the estimator ignores, or a missing one it needs
+        SettingError: a critic the estimator ignores, or a missing one it needs
             (:func:`check_critic`).
         SettingError: an explicit ``old_values: critic`` where it would not be exact (the
             message names each obstacle).
@@ -180,18 +181,19 @@ def check_critic(critic: CriticModule | None, estimator: AdvantageEstimator) -> 
     """Reject a critic the estimator ignores, or a missing critic it needs.
 
     Raises:
-        ValueError: naming ``model.critic``, ``model.estimator`` and the fix.
+        SettingError: naming ``model.critic``, ``model.estimator`` and the fix (lppo's short
+            block on the command line, not a traceback).
     """
     name = type(estimator).__name__
     uses = bool(getattr(estimator, "uses_critic", True))
     if uses and critic is None:
-        raise ValueError(
+        raise SettingError(
             f"model.critic is null but model.estimator={name} needs a critic (its values and "
             "returns); give model.critic, or pick a critic-free estimator "
             "(lppo.estimators.GRPO, RLOO, ReinforcePP)."
         )
     if not uses and critic is not None:
-        raise ValueError(
+        raise SettingError(
             f"model.estimator={name} is critic-free: the critic would train on targets nobody "
             "writes; set model.critic: null (or use lppo.estimators.GAE)."
         )

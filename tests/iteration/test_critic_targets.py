@@ -207,3 +207,15 @@ def test_auto_values_rows_in_the_critic_wherever_that_is_exact(ppo, estimator, c
     assert ctl.config.old_values == want
     if module is not None:  # the score phase values the rows unless the critic does
         assert (ctl.scorer.critic is None) == (want == "critic")
+
+
+def test_a_critic_kept_for_a_critic_free_estimator_is_a_setting_error() -> None:
+    """lppo fit prints it as its short block (lppo.errors.explain), not a traceback."""
+    from lppo.errors import explain
+    from lppo.iteration.critic_targets import check_critic
+
+    with pytest.raises(SettingError, match=r"model.estimator=GRPO is critic-free") as error:
+        check_critic(CriticModule(spec(1)), GRPO())
+    assert explain(error.value) is not None
+    with pytest.raises(SettingError, match=r"model.critic is null but model.estimator=GAE"):
+        check_critic(None, GAE())
