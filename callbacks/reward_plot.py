@@ -64,6 +64,7 @@ class RewardCurve(PPOCallback):
         self.points: list[tuple[int, float, float, float, float]] = []
         self.eval_points: dict[str, list[tuple[int, float]]] = {}
         self._path: str | None = None
+        self._trained = False  # this process reached training (else an earlier run's PNG stays)
 
     @property
     def path(self) -> str | None:
@@ -80,6 +81,10 @@ class RewardCurve(PPOCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve :attr:`path` early and record it in the run log (the summary reports it)."""
         pl_module.run_log.files["reward_curve"] = self.resolve_path(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """From here on the PNG is this run's to write."""
+        self._trained = True
 
     def on_iteration_end(self, ctx: IterationContext, result: IterationResult) -> None:
         """Record the reward of the iteration that just finished (a failed one has none)."""
@@ -103,9 +108,14 @@ class RewardCurve(PPOCallback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Write the PNG of an interrupted or failed run, its title saying so."""
+        """Write the PNG of an interrupted or failed run, its title saying so.
+
+        A start that failed before training leaves an earlier run's PNG as it was.
+        """
         status = "interrupted" if isinstance(exception, RunInterrupted) else "failed"
         path = self.resolve_path(trainer)
+        if not self._trained and os.path.exists(path):
+            return
         self.eval_points = pl_module.run_log.evaluation_points("reward_mean")
         if trainer.is_global_zero:
             self.write(path, subtitle=f"run {status}")

@@ -114,13 +114,21 @@ class RunSummary(PPOCallback):
     def finish(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, status: str, reason: str = ""
     ) -> None:
-        """Build the summary with ``status``; rank zero writes ``summary.json`` and prints it."""
+        """Build the summary with ``status``; rank zero writes ``summary.json`` and prints it.
+
+        A start refused or failed before training (a resume with changed settings, a setup
+        error) leaves an earlier run's ``summary.json`` as it was: only a run's own training
+        rewrites its record.
+        """
         self.summary = self.build(trainer, pl_module.run_log)
         self.summary["status"] = status
         self.summary["reason"] = reason[:500] or None
         if not trainer.is_global_zero:
             return
         self.path = os.path.join(run_dir(trainer), self.filename)
+        if self._start is None and os.path.exists(self.path):
+            print(f"lppo: the start failed; {self.path} (the earlier run's) is kept", flush=True)
+            return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "w") as f:
             json.dump(self.summary, f, indent=2)

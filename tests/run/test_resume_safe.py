@@ -253,6 +253,7 @@ def test_a_resume_lists_every_changed_setting(tmp_path, config, changes, listed)
     shutil.copy(ROOT / "examples" / "data" / "arith.jsonl", tmp_path / "other.jsonl")
     first = lppo_fit(config, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    record = {name: (tmp_path / name).read_bytes() for name in ("summary.json", "reward_curve.png")}
     changes = [c.replace("{tmp}", str(tmp_path)) for c in changes]
     resumed = lppo_fit(config, tmp_path, *changes, "--ckpt_path", "last", iterations=2)
     stderr = resumed.stderr
@@ -260,3 +261,5 @@ def test_a_resume_lists_every_changed_setting(tmp_path, config, changes, listed)
     assert "resuming with settings that differ from the checkpoint's" in stderr
     missing = [line for line in listed if line.replace("{tmp}", str(tmp_path)) not in stderr]
     assert not missing, stderr[-3000:]
+    for name, before in record.items():  # the refused start keeps the finished run's record
+        assert (tmp_path / name).read_bytes() == before, name
