@@ -72,7 +72,11 @@ class PPOFitLoop(_FitLoop):
     def advance(self) -> None:
         """Run one RL iteration and count the actor's optimizer steps as global steps."""
         system: Any = self.trainer.lightning_module
-        result = system.run_iteration(self.epoch_progress.current.processed)
+        try:
+            result = system.run_iteration(self.epoch_progress.current.processed)
+        except BaseException:
+            interrupts.release()  # a signal held meanwhile wins: the run stops interrupted
+            raise
         progress = self.epoch_loop.manual_optimization.optim_step_progress
         for stats in result.phase_steps("actor"):
             if stats.stepped:
@@ -83,10 +87,13 @@ class PPOFitLoop(_FitLoop):
         """Mark the iteration processed, call ``on_train_epoch_end`` hooks (checkpoints)."""
         trainer = self.trainer
         self.epoch_progress.increment_processed()
-        call._call_callback_hooks(trainer, "on_train_epoch_end", monitoring_callbacks=False)
-        call._call_lightning_module_hook(trainer, "on_train_epoch_end")
-        call._call_callback_hooks(trainer, "on_train_epoch_end", monitoring_callbacks=True)
-        self.epoch_progress.increment_completed()
+        try:
+            call._call_callback_hooks(trainer, "on_train_epoch_end", monitoring_callbacks=False)
+            call._call_lightning_module_hook(trainer, "on_train_epoch_end")
+            call._call_callback_hooks(trainer, "on_train_epoch_end", monitoring_callbacks=True)
+            self.epoch_progress.increment_completed()
+        finally:  # the iteration is checkpointed: a signal held since it was counted stops now
+            interrupts.release()
 
 
 def install(trainer: Trainer) -> PPOFitLoop:

@@ -9,6 +9,7 @@ reward of an admitted iteration's samples).
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import time
 from pathlib import Path
@@ -19,22 +20,24 @@ from lppo.tasks import DatasetTask
 from lppo.tasks.verifiers import Verifier
 
 
-def pause_forever(marker: str) -> None:
-    """Write ``marker`` and sleep until the process is killed."""
+def pause_forever(marker: str, seconds: float | None = None) -> None:
+    """Write ``marker`` and sleep until the process is killed (or for ``seconds``)."""
     Path(marker).write_text("reached")
-    while True:
-        time.sleep(1)
+    end = None if seconds is None else time.monotonic() + seconds
+    while end is None or time.monotonic() < end:
+        time.sleep(0.1)
 
 
 class _PauseWhenPickled:
     """An entry of a checkpoint that pauses while ``torch.save`` writes the checkpoint."""
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
+    def __init__(self, marker: str, seconds: float | None = None) -> None:
+        self.marker, self.seconds = marker, seconds
 
     def __reduce__(self) -> Any:
-        pause_forever(self.marker)
-        raise AssertionError("unreachable")  # pragma: no cover
+        pause_forever(self.marker, self.seconds)
+        # A bounded pause: the write goes on, with an entry a weights-only load accepts.
+        return (collections.OrderedDict, ())
 
 
 class PauseAt(PPOCallback):
@@ -46,15 +49,17 @@ class PauseAt(PPOCallback):
             its checkpoint not yet taken), ``checkpoint:1`` (before iteration 1's checkpoint is
             built) or ``write:1`` (while iteration 1's first checkpoint file is written).
         marker: file written when the point is reached.
+        seconds: pause that long, then go on (``None``: until killed).
     """
 
-    def __init__(self, point: str, marker: str) -> None:
+    def __init__(self, point: str, marker: str, seconds: float | None = None) -> None:
         super().__init__()
         phase, iteration = point.split(":")
         self.phase, self.iteration, self.marker = phase, int(iteration), marker
+        self.seconds = seconds
 
     def _pause(self) -> None:
-        pause_forever(self.marker)
+        pause_forever(self.marker, self.seconds)
 
     def on_rollout_end(self, ctx: Any) -> None:
         if self.phase == "rollout" and ctx.iteration == self.iteration:
@@ -76,7 +81,7 @@ class PauseAt(PPOCallback):
         if self.phase == "checkpoint":
             self._pause()
         if self.phase == "write":
-            checkpoint["lppo_test_pause"] = _PauseWhenPickled(self.marker)
+            checkpoint["lppo_test_pause"] = _PauseWhenPickled(self.marker, self.seconds)
 
 
 class PausingDatasetTask(DatasetTask):

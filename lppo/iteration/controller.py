@@ -47,6 +47,7 @@ from lppo.modules.lifecycle import disable_dropout
 from lppo.modules.reward_model import RewardModel
 from lppo.modules.snapshot import Transaction
 from lppo.replay.rollout_rows import StoredRollout
+from lppo.run import interrupts
 from lppo.run.log import RunLog
 from lppo.run.plan import RunPlan, resolve_columns
 from lppo.types import (
@@ -193,6 +194,7 @@ class PPOController:
         """
         ctx = self.context(result.iteration)
         ctx.phase, ctx.rows_released = "release", True
+        interrupts.hold()  # counted (as failed) from here, like a finished one
         self._emit("on_iteration_end", ctx, result)
 
     # ----------------------------------------------------------------- phases
@@ -300,6 +302,7 @@ class PPOController:
         ctx.module = ctx.plan = None
         result.steps = list(ctx.step_stats)
         result.generation = generation.timing()
+        interrupts.hold()  # counted from here: a signal waits for the iteration's checkpoint
         self._emit("on_iteration_end", ctx, result)
         if not ctx.rows_released:
             raise RuntimeError(

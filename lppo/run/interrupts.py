@@ -10,6 +10,11 @@ started are stopped, and the process exits with ``128 + signal`` (143 for SIGTER
 SIGINT), the code a scheduler reads as "killed by a signal". The last iteration-boundary
 checkpoint is kept (none is written mid-iteration), so ``--ckpt_path last`` resumes bitwise.
 
+A signal that arrives at an iteration's boundary, from the moment the iteration is counted
+(``on_iteration_end``) until its checkpoint is written (:func:`hold` ... :func:`release`), is
+held until the write is done: ``last.ckpt`` then holds every iteration the summary counts,
+and the run still exits 143 / 130 ``interrupted``, never inside ``torch.save``.
+
 A second signal during that cleanup exits at once with the same code. Lightning restores
 the handlers that were in place before ``fit`` when it tears down.
 """
@@ -21,7 +26,7 @@ import signal
 import threading
 from types import FrameType
 
-__all__ = ["SIGNALS", "RunInterrupted", "install", "raise_if_interrupted"]
+__all__ = ["SIGNALS", "RunInterrupted", "hold", "install", "raise_if_interrupted", "release"]
 
 #: The signals a run turns into :class:`RunInterrupted`.
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -52,13 +57,31 @@ class RunInterrupted(SystemExit):
 
 class _State:
     received: RunInterrupted | None = None
+    holding = False
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     for sig in SIGNALS:
         signal.signal(sig, _exit_now)
     _State.received = RunInterrupted(signum)
-    raise _State.received
+    if not _State.holding:  # else raised by release(), once the boundary's work is done
+        raise _State.received
+
+
+def hold() -> None:
+    """From now until :func:`release`, a first signal is recorded, not raised.
+
+    Called when an iteration is counted (before its ``on_iteration_end``); the fit loop
+    releases once the iteration's checkpoint is written.
+    """
+    _State.holding = True
+
+
+def release() -> None:
+    """End :func:`hold`; raise the :class:`RunInterrupted` of a signal held meanwhile."""
+    was, _State.holding = _State.holding, False
+    if was and _State.received is not None:
+        raise _State.received
 
 
 def raise_if_interrupted() -> None:
@@ -67,8 +90,10 @@ def raise_if_interrupted() -> None:
     User code that caught it and went on (a reward with ``except BaseException``) cannot
     swallow it.
     """
-    # Only while the run's shutdown is on (its handlers still those the signal left).
-    if _State.received is not None and signal.getsignal(signal.SIGTERM) is _exit_now:
+    # Only while the run's shutdown is on (its handlers still those the signal left), and
+    # not while a held signal waits for the boundary's checkpoint (release() raises it).
+    held = _State.holding
+    if _State.received is not None and signal.getsignal(signal.SIGTERM) is _exit_now and not held:
         raise _State.received
 
 
@@ -85,7 +110,7 @@ def install() -> bool:
     """
     if threading.current_thread() is not threading.main_thread():
         return False
-    _State.received = None
+    _State.received, _State.holding = None, False
     for sig in SIGNALS:
         signal.signal(sig, _raise)
     return True

@@ -82,12 +82,13 @@ def pause_then_signal(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def pause_args(point: str, marker: Path) -> list[str]:
-    return [
+def pause_args(point: str, marker: Path, seconds: float | None = None) -> list[str]:
+    args = [
         "--trainer.callbacks+=_fault_points.PauseAt",
         f"--trainer.callbacks.point={point}",
         f"--trainer.callbacks.marker={marker}",
     ]
+    return args + ([] if seconds is None else [f"--trainer.callbacks.seconds={seconds}"])
 
 
 @pytest.mark.slow
@@ -96,12 +97,17 @@ def pause_args(point: str, marker: Path) -> list[str]:
     [
         (signal.SIGTERM, "critic:1", 1),  # iteration 1 (0-based) aborted
         (signal.SIGINT, "actor:1", 1),
-        (signal.SIGTERM, "write:1", 2),  # iteration 1 ran, its checkpoint write was stopped
+        # At the boundary (iteration 1 counted, its checkpoint not yet written): the signal
+        # waits for the write, so last.ckpt holds the iteration the summary counts.
+        (signal.SIGTERM, "published:1", 2),
+        (signal.SIGTERM, "write:1", 2),  # inside torch.save of iteration 1's checkpoint
     ],
 )
 def test_a_signal_stops_the_run_resumably(tmp_path, straight_tiny_fit, sig, point, ran):
     marker = tmp_path / "reached"
-    run = pause_then_signal(lppo_fit(tmp_path, *pause_args(point, marker)), marker, sig)
+    boundary = ran == 2  # paused inside the boundary: a bounded pause, the run goes on
+    cmd = lppo_fit(tmp_path, *pause_args(point, marker, 2.0 if boundary else None))
+    run = pause_then_signal(cmd, marker, sig)
     assert run.returncode == 128 + sig, run.stderr.decode()[-2000:]
     assert "Traceback" not in run.stderr.decode()
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -111,7 +117,7 @@ def test_a_signal_stops_the_run_resumably(tmp_path, straight_tiny_fit, sig, poin
     assert "lppo run summary (interrupted)" in run.stdout.decode()
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
     kept = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
-    assert kept["epoch"] == 0  # the boundary checkpoint before the aborted iteration
+    assert kept["epoch"] == ran - 1  # every iteration the summary counts (ran) is in it
     assert not any(TMP_MARK in p.name for p in (tmp_path / "checkpoints").iterdir())
 
     resumed = subprocess.run(
@@ -125,8 +131,8 @@ def test_a_signal_stops_the_run_resumably(tmp_path, straight_tiny_fit, sig, poin
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed"
     last = str((tmp_path / "checkpoints" / "last.ckpt").resolve())
-    assert summary["resumed_from"] == {"path": last, "iteration": 1}
-    assert f"resumed from {last} after iteration 1" in resumed.stdout.decode()
+    assert summary["resumed_from"] == {"path": last, "iteration": ran}
+    assert f"resumed from {last} after iteration {ran}" in resumed.stdout.decode()
 
 
 @pytest.mark.slow
