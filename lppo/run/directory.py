@@ -105,6 +105,21 @@ class RunDirectory:
             return []
         return sorted(glob.glob(os.path.join(glob.escape(self.checkpoints), "*.ckpt")))
 
+    def latest(self) -> str | None:
+        """``last.ckpt``, else the newest other checkpoint of the folder (``None``: none).
+
+        A run killed inside its first ``last.ckpt`` write (atomic: the file never appears
+        half written) has only the iteration checkpoint written just before it; that one is
+        the run's latest, so ``last`` and ``auto`` resume from it instead of stranding the run.
+        """
+        if self.checkpoints is None:
+            return None
+        last = os.path.join(self.checkpoints, "last.ckpt")
+        others = [p for p in self.existing_checkpoints() if os.path.basename(p) != "last.ckpt"]
+        if os.path.isfile(last) or not others:
+            return last
+        return max(others, key=os.path.getmtime)
+
     def resolve(self, ckpt_path: str | None, overwrite: bool) -> str | None:
         """Apply the run-directory rule; returns the checkpoint to resume from (or ``None``).
 
@@ -116,7 +131,7 @@ class RunDirectory:
             CheckpointError: ``last`` without a checkpoint in the folder.
             RunDirectoryError: a fresh run into a directory holding a run's checkpoints.
         """
-        last = os.path.join(self.checkpoints, "last.ckpt") if self.checkpoints else None
+        last = self.latest()
         if ckpt_path == AUTO:
             ckpt_path = LAST if last and os.path.isfile(last) else None
         if ckpt_path == LAST:
@@ -126,6 +141,8 @@ class RunDirectory:
                     "Check --trainer.default_root_dir, start a fresh run without --ckpt_path, "
                     "or pass --ckpt_path auto to resume when a checkpoint exists."
                 )
+            if os.path.basename(last) != "last.ckpt":
+                print(f"lppo: no last.ckpt in {self.checkpoints}; resuming from {last}", flush=True)
             return last
         if ckpt_path is not None:  # a named file: the user chose what this run continues
             return os.fspath(ckpt_path)

@@ -94,6 +94,32 @@ def summary(root: Path) -> dict:
 
 
 @pytest.mark.slow
+def test_a_kill_inside_the_first_last_ckpt_write_resumes_from_the_iteration_checkpoint(tmp_path):
+    """The write is atomic, so such a kill leaves iteration-0000.ckpt, no last.ckpt, and a
+    temporary: ``last`` and ``auto`` resume from the iteration checkpoint (a fresh run is
+    still refused)."""
+    directory = fake_run(tmp_path, "iteration-0000.ckpt", f"last.ckpt{TMP_MARK}999999")
+    first = str(tmp_path.resolve() / "checkpoints" / "iteration-0000.ckpt")
+    assert directory.resolve("last", overwrite=False) == first
+    assert directory.resolve("auto", overwrite=False) == first
+    with pytest.raises(RunDirectoryError, match=r"already holds a run .*--ckpt_path last"):
+        directory.resolve(None, overwrite=False)
+
+
+@pytest.mark.slow
+def test_a_run_stranded_by_a_kill_in_its_first_last_ckpt_write_resumes(tmp_path):
+    assert fit(tmp_path, "--trainer.max_epochs", "1").returncode == 0
+    (tmp_path / "checkpoints" / "last.ckpt").rename(
+        tmp_path / "checkpoints" / f"last.ckpt{TMP_MARK}999999"  # its writer is gone
+    )
+    resumed = fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "auto")
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    assert "no last.ckpt in" in resumed.stdout.decode()
+    assert summary(tmp_path)["resumed_from"]["iteration"] == 1
+    assert summary(tmp_path)["iterations"] == 2
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if TMP_MARK in p.name]
+
+
 def test_a_rerun_is_refused_and_last_resumes_the_run_that_owns_the_directory(tmp_path):
     assert fit(tmp_path, "--trainer.max_epochs", "2").returncode == 0
     again = fit(tmp_path, "--trainer.max_epochs", "2")
