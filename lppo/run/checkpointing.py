@@ -45,7 +45,7 @@ RESUME_SAFE = "<resume_safe>"
 SETTINGS_VERSION = "<version>"
 #: 0: no :data:`RESUME_SAFE` entry; 1: it, no version entry; 2: callable settings objects
 #: (objectives, verifiers), factories given by ``class_path`` and ``trainer.precision`` too.
-VERSION = 2
+VERSION = 3
 TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
@@ -169,12 +169,18 @@ def run_settings(system: Any, data: Any, trainer: Any = None) -> dict[str, Any]:
 
     Each component's settings are its recorded init arguments (:mod:`lppo.init_args`); the
     system's own are its plain init arguments (``model.seed``, ``model.num_threads``, ...);
-    the trainer's, its ``precision`` (the dtype of every model and stored column).
+    the trainer's, its ``precision`` (the dtype of every model and stored column), its
+    strategy, the strategy's layout and the world size (how the rows and the weights are
+    split over the ranks: another split is another run).
     Under :data:`RESUME_SAFE` the result lists the keys the objects declare ``resume_safe``.
     """
     out: dict[str, Any] = {SETTINGS_VERSION: VERSION}
     if trainer is not None:
         out["trainer.precision"] = str(trainer.precision)
+        out["trainer.strategy"] = class_path(type(trainer.strategy))
+        layout = getattr(trainer.strategy, "layout", None)  # lppo's strategies have one
+        out["trainer.strategy.layout"] = None if layout is None else class_path(type(layout))
+        out["trainer.world_size"] = int(trainer.world_size)
     safe: set[str] = set()
     for name in COMPONENTS:
         obj = getattr(system, name, None)
@@ -248,8 +254,9 @@ def _unrecorded(key: str, saved: dict[str, Any], version: int) -> bool:
     Such a key is not compared. Version 0 (settings read back by attribute name) wrote None
     for what it could not read (``*args`` / ``**kwargs``, an argument kept under another name,
     such as the copy task's ``alphabet_size``); version 1 left out callable settings objects,
-    factories and ``trainer.precision``: a key it lacks is skipped, unless it lacks the whole
-    component (a critic or reward model added on resume is still refused).
+    factories and ``trainer.precision``, version 2 the strategy, its layout and the world
+    size: a key it lacks is skipped, unless it lacks the whole component (a critic or reward
+    model added on resume is still refused).
     """
     if version == 0:
         return saved.get(key) is None

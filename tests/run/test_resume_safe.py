@@ -20,6 +20,7 @@ import pytest
 from test_resume import fit
 
 from lppo.algorithms import ClippedPPO
+from lppo.estimators import GRPO
 from lppo.init_args import Record, RecordsInitArgs, record
 from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule
@@ -142,7 +143,8 @@ def test_checkpoints_written_before_the_resume_safe_entry_still_resume():
         f"model.seed: {current['model.seed'] + 1!r} -> {current['model.seed']!r}"
     ]
     # A checkpoint of today's recorder is compared on every key.
-    _, refused = settings_changes(dict(legacy, **{RESUME_SAFE: [], SETTINGS_VERSION: 2}), current)
+    today = {RESUME_SAFE: [], SETTINGS_VERSION: current[SETTINGS_VERSION]}
+    _, refused = settings_changes(dict(legacy, **today), current)
     assert refused == [
         "model.actor.init_args.kwargs: None -> '<absent>'",
         "model.task.init_args.alphabet_size: None -> 8",
@@ -263,3 +265,23 @@ def test_a_resume_lists_every_changed_setting(tmp_path, config, changes, listed)
     assert not missing, stderr[-3000:]
     for name, before in record.items():  # the refused start keeps the finished run's record
         assert (tmp_path / name).read_bytes() == before, name
+
+
+def test_strategy_layout_and_world_size_are_recorded_and_compared_on_resume(tmp_path):
+    """ppo_fsdp -> ppo_ddp or 1 -> 2 ranks splits rows and weights otherwise: refused."""
+    trainer = PPOTrainer(default_root_dir=str(tmp_path), accelerator="cpu")
+    spec = HFCausalLM(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    built = PPOSystem(actor=ActorModule(spec), critic=None, task=CopyTask(), estimator=GRPO())
+    saved = run_settings(built, ReplayDataModule(), trainer)
+    assert (saved["trainer.world_size"], saved["trainer.strategy.layout"]) == (1, None)
+    assert saved["trainer.strategy"].endswith("SingleDeviceStrategy")
+    two = dict(saved, **{"trainer.world_size": 2, "trainer.strategy": "lppo.PPOStrategy"})
+    two["trainer.strategy.layout"] = "lppo.layouts.fsdp.FSDPLayout"
+    _, refused = settings_changes(saved, two)
+    assert refused == [
+        f"trainer.strategy: {saved['trainer.strategy']!r} -> 'lppo.PPOStrategy'",
+        "trainer.strategy.layout: None -> 'lppo.layouts.fsdp.FSDPLayout'",
+        "trainer.world_size: 1 -> 2",
+    ]
+    older = {k: v for k, v in saved.items() if not k.startswith("trainer.")}
+    assert settings_changes(dict(older, **{SETTINGS_VERSION: 2}), saved) == ([], [])
