@@ -98,7 +98,8 @@ def test_the_reward_is_the_episode_return_and_rows_carry_turn_rewards(model):
     rewards = score(TASK, PROMPTS, out)
     final = TASK.rewards([PROMPTS[int(i)] for i in out.prompt_index], out.completions)
     turn_sums = [float(t.sum()) for t in out.turn_rewards]
-    torch.testing.assert_close(rewards, torch.tensor(final) + torch.tensor(turn_sums))
+    want = torch.tensor(final, dtype=torch.float64) + torch.tensor(turn_sums, dtype=torch.float64)
+    torch.testing.assert_close(rewards, want)  # rewards are float64 in every run
     rollout = to_rollout(out, rewards, provenance=(0, 0))
     assert rollout.extras[TURN_REWARDS] == out.turn_rewards
     assert rollout.episodes == out.episodes
