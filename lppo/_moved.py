@@ -96,11 +96,8 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
 
     def get_code(self, fullname: str) -> CodeType | None:
         """The moved module's code (what ``runpy`` runs for ``python -m`` with the old name)."""
-        spec = importlib.util.find_spec(MOVED[fullname])
-        loader = spec.loader if spec is not None else None
-        if not isinstance(loader, importlib.abc.InspectLoader):
-            return None
-        return loader.get_code(MOVED[fullname])
+        loader = _inspect_loader(MOVED[fullname])
+        return loader.get_code(MOVED[fullname]) if loader is not None else None
 
     def is_package(self, fullname: str) -> bool:
         """No: every moved name is a module."""
@@ -108,11 +105,8 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
 
     def get_source(self, fullname: str) -> str | None:
         """The moved module's source (for tracebacks of ``python -m`` with the old name)."""
-        spec = importlib.util.find_spec(MOVED[fullname])
-        loader = spec.loader if spec is not None else None
-        if not isinstance(loader, importlib.abc.InspectLoader):
-            return None
-        return loader.get_source(MOVED[fullname])
+        loader = _inspect_loader(MOVED[fullname])
+        return loader.get_source(MOVED[fullname]) if loader is not None else None
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module ran at its new place; give it back its own spec."""
@@ -120,6 +114,13 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         if own is not None:
             module.__spec__ = own
             module.__loader__ = own.loader
+
+
+def _inspect_loader(name: str) -> importlib.abc.InspectLoader | None:
+    """The loader of module ``name`` when it can give code and source (a file's loader)."""
+    spec = importlib.util.find_spec(name)
+    loader = spec.loader if spec is not None else None
+    return loader if isinstance(loader, importlib.abc.InspectLoader) else None
 
 
 def install() -> None:
