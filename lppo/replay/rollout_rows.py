@@ -77,8 +77,8 @@ class StoredRollout:
 
     Attributes:
         row_ids: the rows' ids, in sample order.
-        reward: ``float64[n]``; each row's reward as the task gave it (before a bad reward was
-            zeroed).
+        reward: ``float64[n]``; each row's reward as the task gave it, a rejected one
+            (non-finite or beyond ``max_abs_reward``) as NaN: no statistic averages it.
         response_tokens: ``float32[n]``; each row's response tokens as generated (before
             masking).
         bad_rewards: rows whose reward was non-finite or out of bounds.
@@ -171,9 +171,12 @@ def put_rollout(
         store.discard(ids)  # a put that fails part-way leaves none of the rollout behind
         raise
     lengths = torch.tensor([float(m.sum()) for m in rollout.response_mask])
+    reward = rollout.reward
+    bound = math.inf if rules.max_abs_reward is None else rules.max_abs_reward
+    accepted = torch.isfinite(reward) & (reward.abs() <= bound)
     return StoredRollout(
         tuple(ids),
-        rollout.reward,
+        torch.where(accepted, reward, torch.full_like(reward, math.nan)),
         lengths,
         bad_rewards,
         rollout.dropped,

@@ -26,6 +26,7 @@ rollout pipeline, the engine and the modules receive what the plan decided.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from lightning.pytorch.utilities import rank_zero_info
@@ -200,8 +201,51 @@ def resolve_columns(
     return config
 
 
+#: A prompt drawn ahead for dynamic sampling's refills, in memory (an estimate, generous for a
+#: short prompt: the object, its text and answer).
+PROMPT_BYTES = 1024
+
+
+def available_memory() -> int:
+    """Bytes of memory available now.
+
+    ``/proc/meminfo``'s ``MemAvailable`` (page cache counts as available), else the free pages.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(parts: RunParts) -> None:
+    """Knobs whose size is memory: refused when they would take more than the machine has.
+
+    Every admitted iteration (``max_staleness + 1`` at once) carries a copy of the policy's
+    weights and, with dynamic sampling, the prompts of each refill round, drawn at admission.
+    """
+    r = parts.rollout
+    jobs = r.max_staleness + 1
+    weights = sum(t.numel() * t.element_size() for t in parts.actor.state_dict().values())
+    prompts = jobs * r.dynamic_sampling_rounds * r.prompts_per_iteration * PROMPT_BYTES
+    need, free = jobs * weights + prompts, available_memory()
+    if need > free:
+        raise SettingError(
+            f"model.rollout.max_staleness={r.max_staleness} with model.rollout."
+            f"dynamic_sampling_rounds={r.dynamic_sampling_rounds}: {jobs} admitted iterations "
+            f"would hold {need / 2**30:.1f} GiB ({jobs} copies of the policy's weights, "
+            f"{weights / 2**20:.1f} MiB each, and the refill rounds' prompts), more than the "
+            f"{free / 2**30:.1f} GiB free; lower them (DAPO's refills rarely need more than 10 "
+            "rounds; a lag of 1 or 2 hides most generation time)."
+        )
+
+
 def _check_rules(parts: RunParts) -> None:
     """Step 1: the rules that span setting groups (each refusal names the keys and the fix)."""
+    _check_memory(parts)
     r, data = parts.rollout, parts.data
     if r.dynamic_sampling_rounds and data.fixed_rows_per_rank:
         raise SettingError(

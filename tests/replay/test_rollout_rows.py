@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _builders import random_rows
@@ -88,4 +90,20 @@ def test_overlong_punishment_shapes_good_rewards_in_the_store() -> None:
         penalized += penalty < 0
         assert float(stored[i]) == pytest.approx(float(task_reward) + penalty, abs=1e-6)
     assert penalized > 0
-    assert torch.allclose(got.reward, rollout.reward, rtol=0, atol=0, equal_nan=True)
+    # the reported rewards are the task's own, a rejected one NaN (no statistic averages it)
+    task = torch.where(torch.isfinite(rollout.reward), rollout.reward, math.nan)
+    assert torch.allclose(got.reward, task, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_reward_beyond_max_abs_reward_is_in_no_statistic() -> None:
+    """It invalidates its row, and the rollout's reward mean and range leave it out."""
+    from lppo.iteration.score_phase import rollout_stats
+    from lppo.parallel import SINGLE
+
+    rollout = _rollout(4)
+    rollout.reward = torch.tensor([0.25, 3.28e29, 0.75, -math.inf], dtype=torch.float64)
+    store = MemoryReplayStore()
+    got = rr.put_rollout(store, store.allocate(4), rollout, rr.RowRules(max_abs_reward=10.0))
+    stats, _ = rollout_stats(got, SINGLE)
+    assert (got.bad_rewards, stats.reward_mean, stats.bad_rewards) == (2, 0.5, 2.0)
+    assert (stats.extra["reward_min"], stats.extra["reward_max"]) == (0.25, 0.75)

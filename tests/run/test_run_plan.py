@@ -174,3 +174,23 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused_at_setup(estima
     with pytest.raises(SettingError, match=refused):
         RunPlan.resolve(one)
     RunPlan.resolve(dataclasses.replace(one, estimator=estimators.ReinforcePP()))
+
+
+@pytest.mark.parametrize(
+    "rollout",
+    [{"max_staleness": 1_000_000}, {"dynamic_sampling_rounds": 1_000_000, "samples_per_prompt": 2}],
+)
+def test_knobs_whose_size_is_memory_are_bounded_at_setup(rollout) -> None:
+    """A million admitted copies of the policy, or a million refill rounds of prompts drawn at
+    admission, are refused before they exhaust the machine (they took 5 and 10.9 GB in under
+    three minutes, still growing)."""
+    import dataclasses
+
+    from lppo.validation import SettingError
+
+    big = dataclasses.replace(parts(), rollout=RolloutSettings(**rollout))
+    with pytest.raises(SettingError, match=r"admitted iterations would hold .* GiB free; lower"):
+        RunPlan.resolve(big)
+    small = {k: 2 if k == "max_staleness" else v for k, v in rollout.items()}
+    small = {k: 10 if k == "dynamic_sampling_rounds" else v for k, v in small.items()}
+    RunPlan.resolve(dataclasses.replace(parts(), rollout=RolloutSettings(**small)))
