@@ -229,7 +229,7 @@ def _check_memory(parts: RunParts) -> None:
     """
     r = parts.rollout
     jobs = r.max_staleness + 1
-    weights = sum(t.numel() * t.element_size() for t in parts.actor.state_dict().values())
+    weights = sum(p.numel() * p.element_size() for p in parts.actor.parameters())
     prompts = jobs * r.dynamic_sampling_rounds * r.prompts_per_iteration * PROMPT_BYTES
     need, free = jobs * weights + prompts, available_memory()
     if need > free:
