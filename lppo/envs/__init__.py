@@ -2,17 +2,21 @@
 
 from lppo.envs.base import Environment, Episode, Observation, Turn
 from lppo.envs.hidden_digit import HiddenDigitEnvironment, HiddenDigitTask
-from lppo.envs.python_tool import PythonTool, run_python
+from lppo.envs.jail import Bubblewrap, Jail, JailError, Unjailed
+from lppo.envs.python_tool import PythonTool, run_jailed, run_python
 from lppo.envs.templates import HERMES_CHATML
 from lppo.envs.tool_env import ToolEnvironment
 from lppo.envs.tools import ToolBox, ToolCall, ToolResult, format_tool_call, parse_tool_calls
 
 __all__ = [
     "HERMES_CHATML",
+    "Bubblewrap",
     "Environment",
     "Episode",
     "HiddenDigitEnvironment",
     "HiddenDigitTask",
+    "Jail",
+    "JailError",
     "Observation",
     "PythonTool",
     "ToolBox",
@@ -20,7 +24,9 @@ __all__ = [
     "ToolEnvironment",
     "ToolResult",
     "Turn",
+    "Unjailed",
     "format_tool_call",
     "parse_tool_calls",
+    "run_jailed",
     "run_python",
 ]

@@ -1,29 +1,32 @@
-"""A Python execution tool: the policy's code runs in a fresh, limited, separate process.
+"""A Python execution tool: the policy's code runs jailed, in a fresh, limited process.
 
-:func:`run_python` runs code with ``python -I`` (isolated: no user site, no ``PYTHON*``
-variables, no script folder on ``sys.path``) in a new temporary working directory that is
-removed afterwards, with a near-empty environment, stdin from ``/dev/null``, its own session
-(so a timeout kills every process it started) and ``setrlimit`` caps on address space, CPU
-seconds and file size. Output is read incrementally and only the first part kept, so a
-printing loop cannot fill the caller's memory. Nothing runs in the caller's process.
+:func:`run_jailed` runs a program in a :class:`~lppo.envs.jail.Jail` (by default
+:class:`~lppo.envs.jail.Bubblewrap`: no network, no view of the trainer's files, environment
+or processes) in a new temporary working directory that is removed afterwards, with a
+near-empty environment, stdin from ``/dev/null``, its own session and ``setrlimit`` caps on
+address space, CPU seconds and file size. Output is read incrementally and only the first part
+kept, so a printing loop cannot fill the caller's memory. Every process of the call is gone
+when it returns. :func:`run_python` runs Python source that way (``python -I``: no user site,
+no ``PYTHON*`` variables, no script folder on ``sys.path``).
 
-Not covered: network access, and a fork bomb within the timeout (use a container for those).
+Not covered: CPU time shared with the trainer, and kernel bugs (see :mod:`lppo.envs.jail`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
 import selectors
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from lppo.envs._process import die_with_parent, kill_group, truncate
+from lppo.envs.jail import Bubblewrap, Jail
 from lppo.validation import check_number
 
 # Largest file the code may write (RLIMIT_FSIZE): keeps a runaway write from filling the disk.
@@ -106,32 +109,41 @@ def _collect(
     return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), False
 
 
-def run_python(
-    code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output_chars: int = 2000
+def run_jailed(
+    argv: list[str],
+    files: dict[str, str],
+    jail: Jail | None = None,
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    max_output_chars: int = 2000,
 ) -> ExecResult:
-    """Run ``code`` in a fresh, limited Python process and return what it printed.
+    """Run a program the policy wrote, jailed, and return what it printed.
 
     Args:
-        code: Python source (a whole program; nothing persists between runs).
-        timeout_s: wall-clock seconds before the process group is killed.
+        argv: the program and its arguments, as the jail sees them (``jail.python`` names
+            the interpreter; relative paths are in the working directory).
+        files: text files written into the fresh working directory first (name -> content).
+        jail: where it runs (``None``: :class:`~lppo.envs.jail.Bubblewrap`, built once).
+        timeout_s: wall-clock seconds before every process of the call is killed.
         memory_mb: address-space limit in MiB (``MemoryError`` beyond it).
         max_output_chars: most characters kept of stdout and of stderr each.
 
     Returns:
-        The run's :class:`ExecResult`. The working directory was a new temporary directory,
-        already removed; every process the code started is killed.
+        The run's :class:`ExecResult`. The working directory is already removed and every
+        process the program started is killed.
 
     Raises:
         SettingError: for a bad ``timeout_s``, ``memory_mb`` or ``max_output_chars``.
     """
-    _check(timeout_s, memory_mb, max_output_chars, "run_python")
-    with tempfile.TemporaryDirectory(prefix="lppo-python-") as workdir:
-        script = os.path.join(workdir, "main.py")
-        with open(script, "w", encoding="utf-8") as f:
-            f.write(code)
+    _check(timeout_s, memory_mb, max_output_chars, "run_jailed")
+    jail = jail if jail is not None else default_jail()
+    with tempfile.TemporaryDirectory(prefix="lppo-tool-") as workdir:
+        for name, content in files.items():
+            with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
+                f.write(content)
         env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
         proc = subprocess.Popen(
-            [sys.executable, "-I", "main.py"],
+            jail.wrap(argv, workdir, env),
             cwd=workdir,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -144,7 +156,8 @@ def run_python(
             # 4 bytes per char: enough UTF-8 for max_output_chars characters and the cut note.
             out, err, timed_out = _collect(proc, timeout_s, 4 * max_output_chars + 4096)
         finally:
-            # Background children the code left behind die with it (same process group).
+            # Background children the code left behind die with it (same process group; a
+            # jail's die with its first process, the jail's PID namespace ending).
             kill_group(proc.pid)
             proc.wait()
             for pipe in (proc.stdout, proc.stderr):
@@ -159,6 +172,28 @@ def run_python(
         timed_out=timed_out,
         memory_exceeded=last.startswith("MemoryError"),
     )
+
+
+def run_python(
+    code: str,
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    max_output_chars: int = 2000,
+    jail: Jail | None = None,
+) -> ExecResult:
+    """Run Python source with :func:`run_jailed` (``python -I main.py``); see its arguments."""
+    _check(timeout_s, memory_mb, max_output_chars, "run_python")
+    jail = jail if jail is not None else default_jail()
+    return run_jailed(
+        [jail.python, "-I", "main.py"], {"main.py": code}, jail, timeout_s, memory_mb,
+        max_output_chars,
+    )  # fmt: skip
+
+
+@functools.cache
+def default_jail() -> Jail:
+    """The :class:`~lppo.envs.jail.Bubblewrap` jail with its defaults, checked once."""
+    return Bubblewrap()
 
 
 def _check(timeout_s: float, memory_mb: int, max_output_chars: int, key_prefix: str) -> None:
@@ -188,6 +223,13 @@ class PythonTool:
         memory_mb: address-space limit in MiB.
         max_output_chars: most characters of stdout (and of stderr) returned.
         key_prefix: the settings key of this tool, for error messages.
+        jail: where the code runs (:mod:`lppo.envs.jail`; ``null``:
+            :class:`~lppo.envs.jail.Bubblewrap` with its defaults). Running it unjailed takes
+            ``{class_path: lppo.envs.Unjailed}``, named on purpose.
+
+    Raises:
+        SettingError: for a bad number.
+        JailError: the jail cannot run here (checked at once, before any iteration).
     """
 
     name = "python"
@@ -198,11 +240,13 @@ class PythonTool:
         memory_mb: int = 256,
         max_output_chars: int = 2000,
         key_prefix: str = "python",
+        jail: Jail | None = None,
     ) -> None:
         _check(timeout_s, memory_mb, max_output_chars, key_prefix)
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
         self.max_output_chars = int(max_output_chars)
+        self.jail = jail if jail is not None else default_jail()
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -233,7 +277,7 @@ class PythonTool:
         Returns:
             The text the model reads: ``"(no output)"`` when the program printed nothing.
         """
-        result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
+        result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars, self.jail)
         parts = [p for p in (result.stdout.rstrip("\n"), result.stderr.rstrip("\n")) if p]
         if result.timed_out:
             parts.append(f"error: timed out after {self.timeout_s:g} s; the program was stopped")

@@ -29,7 +29,7 @@ def test_fresh_working_directory_removed_afterwards() -> None:
     code = "import os\nopen('note.txt', 'w').write('x')\nprint(os.getcwd())\nprint(os.environ)"
     result = run_python(code)
     workdir, env = result.stdout.splitlines()
-    assert Path(workdir).name.startswith("lppo-python-") and workdir != os.getcwd()
+    assert Path(workdir).name.startswith("lppo-tool-") and workdir != os.getcwd()
     assert not Path(workdir).exists()
     assert "PYTHONPATH" not in env and "HOME" in env
 
@@ -54,21 +54,35 @@ def test_large_allocation_hits_the_memory_limit() -> None:
 
 
 def test_leftover_children_are_killed() -> None:
-    code = "import subprocess\np = subprocess.Popen(['sleep', '30'])\nprint(p.pid)"
+    # A pid printed inside the jail is the jail's own; the host's processes are found by their
+    # command line instead (a unique sleep length).
+    marker = f"{30 + os.getpid() % 1000 / 1000:.3f}"
+    code = f"import subprocess\np = subprocess.Popen(['sleep', '{marker}'])\nprint(p.pid)"
     result = run_python(code, timeout_s=3)
-    assert not result.timed_out
-    pid = int(result.stdout)
+    assert not result.timed_out and result.stdout.strip().isdigit()
     # The kill is sent before run_python returns; on a loaded machine the process may take a
     # moment to leave the run queue, so look for up to 5 s (a live `sleep 30` never leaves it).
     for _ in range(50):
-        time.sleep(0.1)
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-        except FileNotFoundError:
-            state = "gone"
-        if state in ("gone", "Z"):
+        if not host_processes(marker):
             break
-    assert state in ("gone", "Z")  # killed (a zombie until its new parent reaps it)
+        time.sleep(0.1)
+    assert not host_processes(marker)
+
+
+def host_processes(marker: str) -> list[int]:
+    """Live (not zombie) processes of this machine whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker in cmdline and state != "Z" and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
 
 
 def test_python_tool_messages() -> None:
