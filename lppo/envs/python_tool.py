@@ -141,17 +141,7 @@ def run_jailed(
         for name, content in files.items():
             with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
                 f.write(content)
-        env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-        proc = subprocess.Popen(
-            jail.wrap(argv, workdir, env),
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_limits(timeout_s, memory_mb),  # setrlimit must run in the child
-        )
+        proc = _start(jail, argv, workdir, timeout_s, memory_mb)
         try:
             # 4 bytes per char: enough UTF-8 for max_output_chars characters and the cut note.
             out, err, timed_out = _collect(proc, timeout_s, 4 * max_output_chars + 4096)
@@ -171,6 +161,23 @@ def run_jailed(
         exit_code=None if timed_out else proc.returncode,
         timed_out=timed_out,
         memory_exceeded=last.startswith("MemoryError"),
+    )
+
+
+def _start(
+    jail: Jail, argv: list[str], workdir: str, timeout_s: float, memory_mb: int
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in ``jail`` from ``workdir``: a near-empty environment, own session."""
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    return subprocess.Popen(
+        jail.wrap(argv, workdir, env),
+        cwd=workdir,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_limits(timeout_s, memory_mb),  # setrlimit must run in the child
     )
 
 
