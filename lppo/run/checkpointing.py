@@ -2,11 +2,14 @@
 
 * :class:`AtomicCheckpointIO` writes each checkpoint to a temporary file beside the target and
   renames it into place, so a run killed mid-write leaves the previous checkpoint intact; stale
-  temporary files of an interrupted write are removed when the next run starts.
-* :func:`check_checkpoint` turns a missing, empty, corrupt or foreign file into one
-  :class:`CheckpointError` that names the file and what is wrong with it. Every checkpoint is
-  loaded weights-only (:func:`load_checkpoint`): a file holding any other pickled object is
-  refused before that object is built, so a resume or an export never runs code from a file.
+  temporary files of an interrupted write are settled when the next run starts. Beside each
+  checkpoint it writes its content digest, ``<checkpoint>.sha256`` (:mod:`lppo.run.digests`).
+* :func:`check_checkpoint` turns a missing, empty, corrupt, changed or foreign file into one
+  :class:`CheckpointError` that names the file and what is wrong with it. Every load checks the
+  file against its digest first (:func:`verify_digest`): one changed after lppo wrote it is
+  refused. Every checkpoint is loaded weights-only (:func:`load_checkpoint`): a file holding
+  any other pickled object is refused before that object is built, so a resume or an export
+  never runs code from a file.
 * :func:`run_settings` records the settings that shape training in every checkpoint;
   :func:`settings_changes` compares them on resume: the few that are well defined on a restored
   run are applied, any other difference stops the run with the list of differences.
@@ -17,10 +20,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import glob
 import os
 import pickle
 import re
+import shlex
 import zipfile
 from typing import Any
 
@@ -31,6 +34,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from lppo._moved import canonical_path
 from lppo.errors import SetupError
 from lppo.init_args import Record, check_resume_safe, class_path, record
+from lppo.run.digests import (
+    SUFFIX,
+    HashingWriter,
+    digest_path,
+    file_sha256,
+    read_digest,
+    roll_forward_beside,
+    temporary,
+    write_digest_file,
+)
+from lppo.run.digests import TMP_MARK as TMP_MARK  # re-exported: its long-standing home
 
 #: The system's components, each recorded under ``model.<name>`` with its class and settings.
 COMPONENTS = ("actor", "critic", "task", "engine", "estimator", "reward_model")
@@ -46,7 +60,6 @@ SETTINGS_VERSION = "<version>"
 #: 0: no :data:`RESUME_SAFE` entry; 1: it, no version entry; 2: callable settings objects
 #: (objectives, verifiers), factories given by ``class_path`` and ``trainer.precision`` too.
 VERSION = 3
-TMP_MARK = ".tmp-lppo-"
 SETTINGS_KEY = "lppo_settings"
 RUN_LOG_KEY = "lppo_run_log"
 ROLLOUTS_KEY = "lppo_rollouts"
@@ -61,54 +74,90 @@ class CheckpointError(SetupError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``<target>.tmp-lppo-<pid>`` beside the target, then an atomic rename."""
+    """Checkpoints written atomically, each with its content digest beside it.
+
+    ``torch.save`` goes to ``<target>.tmp-lppo-<pid>`` beside the target and is renamed into
+    place; the digest (:mod:`lppo.run.digests`), computed on the way, goes to
+    ``<target>.sha256`` the same way.
+    """
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Write ``checkpoint`` to ``path`` so that ``path`` is never half written."""
+        """Write ``checkpoint`` to ``path`` and its digest beside it, neither half written.
+
+        Order: checkpoint temporary (synced), digest temporary (synced), rename the
+        checkpoint, rename the digest. A kill before the first rename keeps the previous pair;
+        one between the renames leaves a digest temporary that matches the new checkpoint,
+        which the next run rolls forward (:func:`~lppo.run.digests.remove_stale_temporaries`).
+        """
         path = os.fspath(path)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}{TMP_MARK}{os.getpid()}"
+        digest = digest_path(path)
+        tmp, digest_tmp = temporary(path), temporary(digest)
+        renamed = False
         try:
             with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
+                writer = HashingWriter(f)
+                torch.save(checkpoint, writer)
                 f.flush()
                 os.fsync(f.fileno())
+            write_digest_file(digest_tmp, writer.hexdigest(), os.path.basename(path))
             os.replace(tmp, path)
+            renamed = True
+            os.replace(digest_tmp, digest)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            _discard(tmp)
+            if renamed and os.path.exists(digest_tmp):
+                os.replace(digest_tmp, digest)  # the new checkpoint is in place: so is its digest
+            _discard(digest_tmp)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint ``path``, then its digest.
+
+        In that order: a kill in between leaves a digest without a checkpoint (ignored), never
+        a checkpoint without its digest (which a load would refuse).
+        """
+        super().remove_checkpoint(path)
+        _discard(digest_path(os.fspath(path)))
 
 
-def remove_stale_temporaries(directory: str | None) -> list[str]:
-    """Delete temporary files an interrupted checkpoint write left in ``directory``.
+def _discard(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
-    Only files whose writer (the pid in the name) is gone: a live process's file is a write
-    in progress.
+
+def verify_digest(path: str) -> None:
+    """Check the checkpoint ``path`` against the digest lppo wrote beside it.
+
+    A digest temporary that a writer killed between its two renames left (see
+    :class:`AtomicCheckpointIO`) and that matches the file is rolled forward first.
+
+    Raises:
+        CheckpointError: the digest file is missing, or records another digest than the
+            file's content has (the file changed after lppo wrote it); the message names the
+            file and the fix.
     """
-    if not directory or not os.path.isdir(directory):
-        return []
-    found = glob.glob(os.path.join(glob.escape(directory), f"*{TMP_MARK}*"))
-    stale = [path for path in found if not _writer_alive(path)]
-    for path in stale:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-    return stale
-
-
-def _writer_alive(path: str) -> bool:
-    """Whether the process that writes the temporary file ``path`` still runs."""
-    pid = path.rsplit(TMP_MARK, 1)[1]
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
+    digest = digest_path(path)
+    actual = file_sha256(path)
+    recorded = read_digest(digest)
+    if recorded == actual or roll_forward_beside(path, actual):
+        return
+    folder, name = os.path.split(os.path.abspath(path))
+    if recorded is None:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no digest file ({digest!r}): lppo writes one beside "
+            "every checkpoint and checks it before loading. For a file you trust (written by "
+            "an lppo from before digests, or copied without its digest), run "
+            f"`sha256sum {shlex.quote(name)} > {shlex.quote(name + SUFFIX)}` in "
+            f"{folder!r}, then load it again."
+        )
+    raise CheckpointError(
+        f"checkpoint {path!r} changed after lppo wrote it: its SHA-256 is {actual[:16]}…, "
+        f"its digest file {digest!r} records {recorded[:16] or '<nothing>'}…; it was not "
+        "loaded. Restore the file, or resume from another checkpoint of "
+        f"{folder!r} (e.g. an iteration-NNNN.ckpt: --ckpt_path <that file>)."
+    )
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -118,14 +167,18 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     it is built, so a file dropped into a run directory cannot run code through a resume or an
     export. lppo writes nothing else into its checkpoints.
 
+    The file is checked against its digest first (:func:`verify_digest`).
+
     Raises:
-        CheckpointError: the file is missing, empty, not a torch checkpoint, holds non-weights
-            content, or is not a Lightning checkpoint.
+        CheckpointError: the file is missing, empty, has no digest or changed after lppo wrote
+            it, is not a torch checkpoint, holds non-weights content, or is not a Lightning
+            checkpoint.
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist; {HINT}")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"checkpoint {path!r} is empty (0 bytes); {HINT}")
+    verify_digest(path)  # before anything of the file is unpickled
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as err:

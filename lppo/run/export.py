@@ -305,15 +305,16 @@ def export_from_checkpoint(
         FileNotFoundError: if ``ckpt_path`` is not a file.
         ValueError: if the checkpoint's hyperparameters do not rebuild the system (a
             checkpoint written from Python, not by ``lppo fit``).
-        CheckpointError: (a ``ValueError``) the file is empty, corrupt, holds non-weights
-            content (it is never unpickled) or is not a Lightning checkpoint.
+        CheckpointError: (a ``ValueError``) the file is empty, has no digest or changed after
+            lppo wrote it, is corrupt, holds non-weights content (it is never unpickled) or is
+            not a Lightning checkpoint.
     """
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint not found: {path} (e.g. <run dir>/checkpoints/last.ckpt)"
         )
-    load_checkpoint(str(path))  # weights-only: one clear error before Lightning reads it
+    load_checkpoint(str(path))  # digest, weights-only: one clear error before Lightning reads it
     if system_cls is None:
         from lppo.run.system import PPOSystem
 

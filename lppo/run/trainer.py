@@ -13,7 +13,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lppo.callbacks import IterationCheckpoint, defaults
 
 from lppo.loop import install
-from lppo.run.checkpointing import AtomicCheckpointIO, check_checkpoint, remove_stale_temporaries
+from lppo.run.checkpointing import AtomicCheckpointIO, check_checkpoint
+from lppo.run.digests import remove_stale_temporaries
 from lppo.run.directory import AUTO, LAST, RunDirectory, is_launching_rank_zero
 from lppo.runtime.ray_runtime import RaySettings
 from lppo.runtime.strategy import STRATEGY_NAME, check_strategy  # also registers "ppo_ddp"
@@ -139,9 +140,11 @@ class PPOTrainer(Trainer):
         folder's ``last.ckpt`` (an error when there is none), ``"auto"`` is ``last.ckpt``
         when it exists and a fresh run otherwise, and a fresh run into a folder holding
         checkpoints is refused unless ``overwrite``. Temporary files of an interrupted
-        checkpoint write whose writer is gone are removed. Checkpoints are loaded weights-only
-        (:func:`lppo.run.checkpointing.load_checkpoint`): one holding any other pickled object is
-        refused before that object is built.
+        checkpoint write whose writer is gone are settled
+        (:func:`lppo.run.digests.remove_stale_temporaries`). Checkpoints are checked against
+        their digest, then loaded weights-only (:func:`lppo.run.checkpointing.load_checkpoint`):
+        one changed after lppo wrote it, or holding any other pickled object, is refused before
+        anything of it is built.
 
         Args:
             *args: passed to ``Trainer.fit``.
@@ -152,8 +155,8 @@ class PPOTrainer(Trainer):
             **kwargs: passed to ``Trainer.fit``.
 
         Raises:
-            CheckpointError: ``ckpt_path`` is missing, empty, corrupt, holds non-weights
-                content or is not lppo's.
+            CheckpointError: ``ckpt_path`` is missing, empty, has no digest or changed after
+                lppo wrote it, is corrupt, holds non-weights content or is not lppo's.
             RunDirectoryError: the run directory is in use, or holds another run.
             SettingError: ``weights_only=False``.
         """

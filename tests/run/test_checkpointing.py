@@ -13,6 +13,7 @@ import torch
 from test_resume import fit
 
 from lppo.run.checkpointing import TMP_MARK, AtomicCheckpointIO, CheckpointError
+from lppo.run.digests import write_digest
 from lppo.run.export import export_from_checkpoint
 from lppo.run.trainer import PPOTrainer
 from lppo.validation import SettingError
@@ -50,6 +51,8 @@ def test_a_bad_checkpoint_file_gives_one_clear_message(tmp_path, run_dir, conten
         torch.save({"state_dict": {}, "epoch": 3}, bad)
     elif content is not None:
         bad.write_bytes(content)
+    if content:  # a digest that matches: the check after it is the one under test
+        write_digest(bad)
     with pytest.raises(CheckpointError, match=re.escape(fragment)) as info:
         fit(tmp_path / "resume", 2, ckpt_path=str(bad))
     assert str(bad) in str(info.value)
@@ -83,7 +86,7 @@ def test_an_interrupted_write_keeps_the_previous_checkpoint(tmp_path, monkeypatc
         io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, target)
     monkeypatch.undo()
     assert torch.equal(torch.load(target)["state_dict"]["w"], torch.ones(3))
-    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.sha256"]
 
 
 def test_stale_temporaries_beside_the_target_are_removed_on_the_next_run(tmp_path):
@@ -122,6 +125,7 @@ def with_payload(run_dir: Path, folder: Path) -> tuple[Path, Path]:
     path = folder / "checkpoints" / "last.ckpt"
     path.parent.mkdir(parents=True)
     torch.save(checkpoint, path)
+    write_digest(path)  # as if written with its digest: the weights-only load must refuse it
     return path, marker
 
 

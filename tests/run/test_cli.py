@@ -29,6 +29,7 @@ from lppo.config import PPOConfig
 from lppo.iteration.data import ReplayDataModule
 from lppo.modules import ActorModule, CriticModule
 from lppo.run.cli import run
+from lppo.run.digests import write_digest
 from lppo.run.system import PPOSystem, RolloutSettings
 from lppo.runtime.ray_runtime import RaySettings
 
@@ -474,6 +475,7 @@ def test_a_named_checkpoint_whose_hyperparameters_no_longer_parse_resumes(
     checkpoint["hyper_parameters"]["actor"]["init_args"]["retired_knob"] = 1
     older = tmp_path / "older.ckpt"
     torch.save(checkpoint, older)
+    write_digest(older)  # lppo's checkpoint, edited to hold an older lppo's hyperparameters
     proc = lppo_fit(*fit_args(tmp_path / "run", iterations=2), "--ckpt_path", str(older))
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)

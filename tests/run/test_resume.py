@@ -13,6 +13,7 @@ from lppo.iteration.hooks import PPOCallback
 from lppo.modules import ActorModule, CriticModule
 from lppo.modules.models import HFCausalLM
 from lppo.rollout import HFGenerateEngine, MultiTurnEngine
+from lppo.run.digests import write_digest
 from lppo.run.system import PPOSystem, RolloutSettings
 from lppo.run.trainer import PPOTrainer
 from lppo.tasks import CopyTask
@@ -156,6 +157,7 @@ def test_a_checkpoint_from_before_the_run_log_resumes_its_axis_and_counters(tmp_
     checkpoint["lppo_failed_iterations"] = 1
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
+    write_digest(old)  # lppo's checkpoint, edited to the old layout
     trainer, system = fit(tmp_path / "run", 3, ckpt_path=str(old))
     assert [h["iteration"] for h in system.run_log.history] == [1, 2, 3]
     assert system.run_log.history[2]["step"] > log["step"]  # the axis went on, not over

@@ -14,7 +14,8 @@ import pytest
 import torch
 from test_sigkill import env, lppo_fit
 
-from lppo.run.checkpointing import TMP_MARK, CheckpointError, remove_stale_temporaries
+from lppo.run.checkpointing import TMP_MARK, CheckpointError
+from lppo.run.digests import remove_stale_temporaries
 from lppo.run.directory import RunDirectory, RunDirectoryError
 
 
@@ -129,7 +130,8 @@ def test_a_rerun_is_refused_and_last_resumes_the_run_that_owns_the_directory(tmp
                "true")  # fmt: skip
     assert over.returncode == 0, over.stderr.decode()[-2000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "iteration-0000.ckpt", "last.ckpt"]  # fmt: skip
+        "iteration-0000.ckpt", "iteration-0000.ckpt.sha256", "last.ckpt",
+        "last.ckpt.sha256"]  # fmt: skip
     resumed = fit(tmp_path, "--trainer.max_epochs", "2", "--model.seed", "1", "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
     assert summary(tmp_path)["resumed_from"]["iteration"] == 1  # the second run's checkpoint
