@@ -15,51 +15,67 @@ from lppo.envs import HiddenDigitEnvironment, Jail, PythonTool
 from lppo.envs.base import Episode, Observation, Turn
 from lppo.tasks.base import Prompt
 
-ATTACK = r"""
+HEADER = """
 import glob, os, signal, subprocess, sysconfig
 trainer, run_dir, marker, venv = {trainer}, {run_dir!r}, {marker!r}, {venv!r}
-for sig in ({signals}):
+"""
+#: Each probe's code; it prints a word of :data:`SUCCESS` when it succeeds.
+PROBES = {
+    "signal": """
+for sig in (signal.SIGSTOP, signal.SIGUSR2):
     try:
         os.kill(trainer, sig)
     except OSError as e:
         print("signal", sig, e)
-for path in glob.glob(run_dir + "/**/*", recursive=True):
+""",
+    "tamper": """
+for path in glob.glob(run_dir + "/**/*.ckpt", recursive=True):
     try:
         with open(path, "r+b") as f:
-            f.seek(64)
-            f.write(b"tampered" * 8)
+            f.seek(os.path.getsize(path) // 2)
+            f.write(b"tampered")
         print("TAMPERED", path)
     except OSError as e:
         print("tamper", e)
+""",
+    "environ": """
 try:
-    print("SECRET", open(f"/proc/{{trainer}}/environ", "rb").read()[:40])
+    print("SECRET", open(f"/proc/{trainer}/environ", "rb").read()[:40])
 except OSError as e:
     print("environ", e)
-for folder in (sysconfig.get_paths()["purelib"], glob.glob(venv + "/lib/*/site-packages")):
+""",
+    "plant": """
+for folder in (sysconfig.get_paths()["purelib"], *glob.glob(venv + "/lib/*/site-packages")):
     try:
-        open(os.path.join(str(folder), "sitecustomize.py"), "a").write("# planted\n")
+        open(os.path.join(folder, "sitecustomize.py"), "a").write("# planted\\n")
         print("PLANTED", folder)
-    except (OSError, TypeError) as e:
+    except OSError as e:
         print("plant", e)
+""",
+    "escape": """
 try:
     open(os.path.join(run_dir, "escaped.txt"), "w").write("x")
     print("ESCAPED")
 except OSError as e:
     print("escape", e)
+""",
+    "daemon": """
 subprocess.Popen(["sleep", marker], start_new_session=True)
-"""
+""",
+}
 
 #: What the code prints when a probe succeeds.
 SUCCESS = ("TAMPERED", "SECRET", "PLANTED", "ESCAPED")
 
 
 class AttackEnvironment(HiddenDigitEnvironment):
-    """:class:`HiddenDigitEnvironment` that runs :data:`ATTACK` at every policy turn.
+    """:class:`HiddenDigitEnvironment` that runs :data:`PROBES` at every policy turn.
 
     Args:
         run_dir: the run directory the code goes after.
         marker: the sleep length of the daemon the code leaves (found on the host by it).
-        signals: the signals sent to the trainer (``SIGSTOP`` would hang an unjailed run).
+        probes: the :data:`PROBES` to run, comma-separated (unjailed, ``signal`` would
+            stop the trainer and ``plant`` write into the virtual environment).
         jail: the tool's jail (``null``: the default).
         call_reward: as the parent's.
     """
@@ -68,16 +84,15 @@ class AttackEnvironment(HiddenDigitEnvironment):
         self,
         run_dir: str,
         marker: str,
-        signals: str = "signal.SIGSTOP, signal.SIGUSR2",
+        probes: str = ",".join(PROBES),
         jail: Jail | None = None,
         call_reward: float = 0.1,
     ) -> None:
         super().__init__(call_reward=call_reward)
         self.tool = PythonTool(timeout_s=3.0, jail=jail)
         self.runs = 0
-        self.code = ATTACK.format(
-            trainer=os.getpid(), run_dir=run_dir, marker=marker, venv=sys.prefix, signals=signals
-        )
+        header = HEADER.format(trainer=os.getpid(), run_dir=run_dir, marker=marker, venv=sys.prefix)
+        self.code = header + "".join(PROBES[name] for name in probes.split(","))
 
     def start(self, prompt: Prompt, seed: int) -> Episode:
         """The parent's episode, attacking at each step."""

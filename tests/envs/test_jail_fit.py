@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -30,12 +32,22 @@ def config(tmp_path: Path, name: str, environment: dict | None) -> tuple[Path, P
     return path, run_dir
 
 
+def environ() -> dict[str, str]:
+    """This process's environment; tests/envs and tests/ (the fault points) importable."""
+    paths = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
+
+
+def command(path: Path) -> list[str]:
+    """``lppo fit --config path``."""
+    cli = [sys.executable, "-c", "from lppo.run.cli import main; main()", "fit"]
+    return [*cli, "--config", str(path)]
+
+
 def fit(path: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-c", "from lppo.run.cli import main; main()", "fit"]
     return subprocess.run(
-        [*cmd, "--config", str(path), *extra], env=env, capture_output=True, text=True,
-        timeout=600, check=False,
+        [*command(path), *extra], env=environ(), capture_output=True, text=True, timeout=600,
+        check=False,
     )  # fmt: skip
 
 
@@ -79,3 +91,60 @@ def test_a_fit_under_attack_ends_like_the_run_without_it(tmp_path):
         not (purelib / "sitecustomize.py").exists()
         or "planted" not in (purelib / "sitecustomize.py").read_text()
     )
+
+
+@pytest.mark.slow
+def test_unjailed_tampering_is_caught_by_the_checkpoint_digest(tmp_path):
+    """Without the jail the same code overwrites ``last.ckpt`` during iteration 1's rollout;
+    the trainer is killed before it writes the next one, and the resume refuses the file."""
+    attacked = tmp_path / "attacked"
+    environment = {
+        "class_path": "_attack_env.AttackEnvironment",
+        "init_args": {
+            "run_dir": str(attacked), "marker": "0", "probes": "tamper",
+            "jail": {"class_path": "lppo.envs.Unjailed"},
+        },
+    }  # fmt: skip
+    path, _ = config(tmp_path, "attacked", environment)
+    marker = tmp_path / "reached"
+    pause = ["--trainer.callbacks+=_fault_points.PauseAt", "--trainer.callbacks.point=rollout:1"]
+    proc = subprocess.Popen(
+        [*command(path), *pause, f"--trainer.callbacks.marker={marker}"],
+        env=environ(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.kill()
+    stderr = proc.communicate()[1]
+    assert marker.exists(), stderr[-2000:]
+    assert "WITHOUT a jail" in stderr and "TAMPERED" in stderr  # the code did overwrite it
+    resumed = fit(path, "--ckpt_path", "last")
+    assert resumed.returncode != 0
+    assert "changed after lppo wrote it" in resumed.stderr and "last.ckpt" in resumed.stderr
+    assert "Traceback" not in resumed.stderr
+
+
+@pytest.mark.slow
+def test_a_fit_where_the_jail_cannot_start_stops_at_setup(tmp_path):
+    """In a user namespace whose limit is 0 (a host without user namespaces, as far as bwrap
+    can tell), ``lppo fit`` stops before the first iteration with the cause and the fix."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    environment = {
+        "class_path": "_attack_env.AttackEnvironment",
+        "init_args": {"run_dir": str(tmp_path / "run"), "marker": "0", "probes": "escape"},
+    }
+    path, run_dir = config(tmp_path, "run", environment)
+    no_userns = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"'
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "sh", "-c", no_userns, "sh", *command(path)],
+        env=environ(), capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if "unshare failed" in done.stderr:
+        pytest.skip(f"this machine cannot nest user namespaces: {done.stderr[-200:]}")
+    assert done.returncode != 0
+    assert "lppo: error: JailError: the tool jail cannot run here" in done.stderr, done.stderr[-2000:]
+    assert "user namespaces" in done.stderr and "lppo.envs.Unjailed" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (run_dir / "checkpoints").exists()  # no iteration ran
