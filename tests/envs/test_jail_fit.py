@@ -144,7 +144,8 @@ def test_a_fit_where_the_jail_cannot_start_stops_at_setup(tmp_path):
     if "unshare failed" in done.stderr:
         pytest.skip(f"this machine cannot nest user namespaces: {done.stderr[-200:]}")
     assert done.returncode != 0
-    assert "lppo: error: JailError: the tool jail cannot run here" in done.stderr, done.stderr[-2000:]
+    error = "lppo: error: JailError: the tool jail cannot run here"
+    assert error in done.stderr, done.stderr[-2000:]
     assert "user namespaces" in done.stderr and "lppo.envs.Unjailed" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (run_dir / "checkpoints").exists()  # no iteration ran
