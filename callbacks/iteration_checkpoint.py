@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -53,6 +54,17 @@ class IterationCheckpoint(ModelCheckpoint):
             # last.ckpt is always this run's latest (never a last-v1.ckpt beside another's).
             enable_version_counter=False,
         )
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """``ModelCheckpoint.setup``, without its "directory exists and is not empty" warning.
+
+        lppo's run-directory rule (:mod:`lppo.run.directory`) already refuses a fresh run into
+        a folder holding checkpoints, so a non-empty folder here is a resume: warning about it
+        at every resume would only teach users to ignore warnings.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* is not empty")
+            super().setup(trainer, pl_module, stage)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Save at the iteration boundary whether or not ``global_step`` moved."""

@@ -146,7 +146,7 @@ class RewardCurve(PPOCallback):
                 [p[1] for p in points],
                 marker="s",
                 linestyle="--",
-                label=f"{prefix} reward mean (held-out prompts)",
+                label=f"{prefix} reward mean (evaluation prompts)",
             )
         if xs or self.eval_points:
             ax.legend(loc="best")

@@ -227,7 +227,7 @@ class RunSummary(PPOCallback):
         for prefix, last in (summary.get("evaluation") or {}).items():
             passes = ", ".join(f"{k} {num(v)}" for k, v in last.items() if k.startswith("pass@"))
             lines.append(
-                f"  {prefix + ' (held-out)':<16}: iteration {int(last['iteration'] or 0)} | "
+                f"  {prefix + ' (evaluation)':<16}: iteration {int(last['iteration'] or 0)} | "
                 f"reward {num(last['reward_mean'])} | accuracy {num(last['accuracy'])} | {passes}"
             )
         if summary["reward_curve"]:

@@ -155,17 +155,31 @@ class RunDirectory:
                 "Resume it with --ckpt_path last, choose another --trainer.default_root_dir, "
                 "or pass --trainer.overwrite true to delete its checkpoints first."
             )
-        if existing:
+        if overwrite:
             self._clear()
         return None
 
     def _clear(self) -> None:
-        """Delete the earlier run's checkpoints, metrics, summary and curve (``overwrite``)."""
-        folders = glob.glob(os.path.join(glob.escape(self.root), "version_*"))
-        for folder in [self.checkpoints, *folders]:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-        for name in ("summary.json", "reward_curve.png"):
-            path = os.path.join(self.root, name)
-            if os.path.isfile(path):
-                os.remove(path)
+        """Delete the earlier runs' checkpoints, metrics, summary and curve (``overwrite``).
+
+        Also the ``version_*`` folders of earlier runs that failed before any checkpoint.
+        What is deleted is printed first, so nothing goes without a word.
+        """
+        folders = sorted(glob.glob(os.path.join(glob.escape(self.root), "version_*")))
+        if self.checkpoints is not None and os.path.isdir(self.checkpoints):
+            folders.insert(0, self.checkpoints)
+        files = [os.path.join(self.root, n) for n in ("summary.json", "reward_curve.png")]
+        files = [path for path in files if os.path.isfile(path)]
+        if not folders and not files:
+            return
+        what = [f"{os.path.basename(f)}/ ({_count_files(f)} files)" for f in folders]
+        what += [os.path.basename(path) for path in files]
+        print(f"lppo: --trainer.overwrite true: deleting in {self.root}: {', '.join(what)}")
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        for path in files:
+            os.remove(path)
+
+
+def _count_files(folder: str) -> int:
+    return sum(len(names) for _, _, names in os.walk(folder))

@@ -178,10 +178,24 @@ class PPOTrainer(Trainer):
             for folder in folders:
                 remove_stale_temporaries(folder)
             if ckpt_path is not None and not lightnings:
-                check_checkpoint(os.fspath(ckpt_path))
+                self._say_if_finished(check_checkpoint(os.fspath(ckpt_path)), ckpt_path)
             self._fit(args, ckpt_path, kwargs)
         finally:
             directory.unlock()
+
+    def _say_if_finished(self, checkpoint: dict[str, Any], ckpt_path: str) -> None:
+        """Say so when the checkpoint already holds every iteration ``max_epochs`` asks for.
+
+        Lightning then trains nothing and says only "max_epochs reached"; a person resuming a
+        finished run wants to know it was finished and how to train on.
+        """
+        done = int(checkpoint.get("epoch", -1)) + 1
+        if self.max_epochs is not None and 0 <= self.max_epochs <= done:
+            rank_zero_info(
+                f"lppo: {ckpt_path} already holds all {done} iterations of this run "
+                f"(trainer.max_epochs={self.max_epochs}): nothing to train. To train further, "
+                f"resume with a larger --trainer.max_epochs (e.g. {done + 10})."
+            )
 
     def _fit(self, args: tuple[Any, ...], ckpt_path: str | None, kwargs: dict[str, Any]) -> None:
         try:

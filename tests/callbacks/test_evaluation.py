@@ -394,4 +394,4 @@ def test_reward_curve_and_summary_show_the_evaluation(tmp_path: Path) -> None:
     assert (tmp_path / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     content = json.loads((tmp_path / "summary.json").read_text())
     assert content["evaluation"]["eval"]["reward_mean"] == 0.75
-    assert "eval (held-out)" in RunSummary.format(content)
+    assert "eval (evaluation)" in RunSummary.format(content)

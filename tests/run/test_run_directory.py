@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,6 +130,12 @@ def test_a_rerun_is_refused_and_last_resumes_the_run_that_owns_the_directory(tmp
     over = fit(tmp_path, "--trainer.max_epochs", "1", "--model.seed", "1", "--trainer.overwrite",
                "true")  # fmt: skip
     assert over.returncode == 0, over.stderr.decode()[-2000:]
+    deleted = re.search(r"--trainer.overwrite true: deleting in (\S+): (.*)", over.stdout.decode())
+    assert deleted and deleted.group(1) == str(tmp_path), over.stdout.decode()[-2000:]
+    assert re.fullmatch(
+        r"checkpoints/ \(\d+ files\), version_0/ \(\d+ files\), summary.json, reward_curve.png",
+        deleted.group(2),
+    ), deleted.group(2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "iteration-0000.ckpt", "iteration-0000.ckpt.sha256", "last.ckpt",
         "last.ckpt.sha256"]  # fmt: skip
@@ -136,6 +143,13 @@ def test_a_rerun_is_refused_and_last_resumes_the_run_that_owns_the_directory(tmp
     assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
     assert summary(tmp_path)["resumed_from"]["iteration"] == 1  # the second run's checkpoint
     assert summary(tmp_path)["iterations"] == 2
+    assert "is not empty" not in resumed.stderr.decode()  # Lightning's warning, moot here
+    finished = fit(
+        tmp_path, "--trainer.max_epochs", "2", "--model.seed", "1", "--ckpt_path", "last"
+    )
+    assert finished.returncode == 0, finished.stderr.decode()[-2000:]
+    said = "already holds all 2 iterations of this run (trainer.max_epochs=2): nothing to train"
+    assert said in finished.stdout.decode() + finished.stderr.decode()
 
 
 @pytest.mark.slow
