@@ -22,11 +22,12 @@ import dataclasses
 import html
 import importlib
 import inspect
-import re
 import types
 import typing
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from lppo.run.rst import rewrite_roles
 
 MARKER = "<!-- lppo:config-reference -->"
 
@@ -61,8 +62,6 @@ GROUPS = (
     ("", "`fit` arguments"),
     ("trainer", "`trainer`: the Trainer"),
 )
-
-_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|obj|exc):`~?([^`]+)`")
 
 
 class _Captured(Exception):
@@ -112,8 +111,7 @@ def md_text(text: str | None) -> str:
     """A help text as one Markdown table cell (reST roles and literals made Markdown)."""
     if not text or text == argparse.SUPPRESS:
         return ""
-    flat = " ".join(text.split()).replace("``", "`")
-    flat = _ROLE.sub(lambda m: f"`{m.group(1)}`", flat)
+    flat = rewrite_roles(" ".join(text.split()), lambda title, _: f"`{title}`", lambda c: f"`{c}`")
     parts = flat.split("`")
     for i in range(0, len(parts), 2):  # outside code spans: no HTML, no table breaks
         parts[i] = html.escape(parts[i], quote=False)

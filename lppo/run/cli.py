@@ -10,6 +10,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lppo.errors import explain
 from lppo.iteration.data import ReplayDataModule
+from lppo.run import settings_list
 from lppo.run.checkpointing import check_checkpoint
 from lppo.run.cli_loggers import RecordConfig, place_logger_files
 from lppo.run.cli_parser import (
@@ -116,7 +117,10 @@ def run(args: list[str] | None = None) -> PPOCLI:
 
 
 def main() -> None:
-    """Console-script entry point ``lppo``.
+    """Console-script entry point ``lppo``: ``lppo fit ...``, ``lppo settings ...``.
+
+    ``lppo settings <fit's arguments>`` lists every setting of that configuration, one line
+    each (:mod:`lppo.run.settings_list`).
 
     lppo's own setup errors (:func:`lppo.errors.explain`) print as one short block and exit
     with status 1; ``--debug`` (anywhere on the line) or ``LPPO_DEBUG=1`` shows the traceback
@@ -127,7 +131,10 @@ def main() -> None:
     if debug:
         os.environ["JSONARGPARSE_DEBUG"] = "true"  # jsonargparse raises, not exits
     try:
-        run()
+        if sys.argv[1:2] == ["settings"]:
+            settings_list.main(PPOCLI, sys.argv[2:])
+        else:
+            run()
     except Exception as exc:
         block = None if debug else explain(exc)
         if block is None:

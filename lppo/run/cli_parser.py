@@ -21,13 +21,15 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lppo.errors import missing_extra
+from lppo.run.rst import rst_to_text
 
 #: What ``lppo --help`` says lppo is.
 DESCRIPTION = (
     "lppo: streamed PPO post-training for language models on Lightning. Start from a config: "
-    "`lppo fit --config configs/tiny.yaml`; `lppo fit --help` lists every setting with its "
-    "default. Errors in settings print as one short block; add --debug (or set LPPO_DEBUG=1) "
-    "for the traceback."
+    "`lppo fit --config configs/tiny.yaml`; `lppo fit --help` lists the settings with their "
+    "defaults, and `lppo settings --config FILE` every setting of that configuration (the "
+    "actor's, critic's, task's and engine's included), one line each. Errors in settings "
+    "print as one short block; add --debug (or set LPPO_DEBUG=1) for the traceback."
 )
 #: The one line ``lppo --help`` shows for ``fit``.
 FIT_HELP = "train a PPO run (or resume one with --ckpt_path); see `lppo fit --help`"
@@ -35,7 +37,9 @@ FIT_HELP = "train a PPO run (or resume one with --ckpt_path); see `lppo fit --he
 FIT_DESCRIPTION = (
     "Train a PPO run, or resume one with --ckpt_path. lppo's settings (model.*, data.*, "
     "--ckpt_path) come first, Lightning's Trainer options last; Trainer options that cannot "
-    "apply to lppo are not listed and are refused, naming lppo's replacement."
+    "apply to lppo are not listed and are refused, naming lppo's replacement. The settings "
+    "of the classes chosen by class_path (the actor's lr and objective, the task's, the "
+    "engine's): `lppo settings --config FILE`, one line each, or `--model.actor.help CLASS`."
 )
 #: ``lppo fit``'s usage line (jsonargparse's lists every option: 90 lines).
 FIT_USAGE = (
@@ -44,7 +48,7 @@ FIT_USAGE = (
 #: Where a person starts, printed under every parse error.
 TIP = (
     "tip: start from a config (`lppo fit --config configs/tiny.yaml`) and override keys "
-    "(`--model.ppo.kl_coef 0.05`); `lppo fit --help` lists every key."
+    "(`--model.ppo.kl_coef 0.05`); `lppo settings --config FILE` lists every key of a config."
 )
 
 _VALIDATION = (
@@ -176,7 +180,8 @@ class PPOArgumentParser(LightningArgumentParser):
             return _GROUP_ORDER.index("trainer.ray")  # fit's arguments (--ckpt_path) with lppo's
 
         self._action_groups.sort(key=rank)
-        return super().format_help(formatter)
+        # Docstrings are written for the documentation site: their roles are noise here.
+        return rst_to_text(super().format_help(formatter))
 
     def add_method_arguments(self, *args: Any, **kwargs: Any) -> list[str]:
         """Add a method's arguments, describing those its docstring leaves bare."""
