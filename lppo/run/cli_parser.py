@@ -5,7 +5,8 @@
 ``lppo fit --help`` lists lppo's groups before the Trainer's, Lightning's own Trainer options keep
 their first sentence only, and the Trainer options that cannot apply to lppo's loop are hidden
 (:data:`NOT_APPLICABLE`) and refused at parse time by :func:`check_trainer_options`, naming
-lppo's replacement.
+lppo's replacement. A ``class_path`` given later gives the new class its own defaults
+(:mod:`lppo.run.class_switch`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lppo.errors import missing_extra
+from lppo.run import class_switch
 from lppo.run.rst import rst_to_text
+
+class_switch.install()  # a later class_path gives the new class its own defaults
 
 #: What ``lppo --help`` says lppo is.
 DESCRIPTION = (
@@ -141,6 +145,7 @@ class PPOArgumentParser(LightningArgumentParser):
         """Print the error first, then the usage line and a tip; exit with status 2."""
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
             super().error(message, ex)
+        class_switch.flush()  # a dropped argument may be why the parse failed
         text = message.strip()
         if self._config_path:  # YAML names the file it read from a string "<unicode string>"
             text = text.replace('"<unicode string>"', f'"{self._config_path}"')
@@ -161,6 +166,11 @@ class PPOArgumentParser(LightningArgumentParser):
         self.exit(2)
 
     _config_path: str = ""
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Namespace:
+        """Parse, giving a class set later its own defaults (:mod:`lppo.run.class_switch`)."""
+        with class_switch.recording():
+            return super().parse_args(*args, **kwargs)
 
     def parse_path(self, cfg_path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         """Parse a config file, remembering its path for :meth:`error`."""
