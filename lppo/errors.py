@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EXTRAS", "IterationError", "SetupError", "explain", "missing_extra"]
+__all__ = [
+    "EXTRAS",
+    "IterationError",
+    "SetupError",
+    "exception_chain",
+    "explain",
+    "missing_extra",
+    "short_block",
+]
 
 
 class IterationError(RuntimeError):
@@ -51,7 +59,7 @@ _REQUIREMENT = re.compile(r"(?:Requirement|No module named) '([A-Za-z0-9_.\-]+)"
 _KEY = re.compile(r"^`?([A-Za-z_][\w.\[\]]*)\s*=")
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def exception_chain(exc: BaseException) -> list[BaseException]:
     """``exc`` and the exceptions it was raised from or while handling, outermost first."""
     seen: list[BaseException] = []
     current: BaseException | None = exc
@@ -63,7 +71,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def missing_extra(exc: BaseException) -> tuple[str, str] | None:
     """``(package, extra)`` when ``exc`` (or its cause) is an optional dependency missing."""
-    for err in _chain(exc):
+    for err in exception_chain(exc):
         names: list[str] = []
         if isinstance(err, ImportError) and err.name:
             names.append(err.name.split(".")[0])
@@ -75,7 +83,8 @@ def missing_extra(exc: BaseException) -> tuple[str, str] | None:
     return None
 
 
-def _block(what: str, where: str | None, fix: str | None) -> str:
+def short_block(what: str, where: str | None, fix: str | None) -> str:
+    """The short block lppo prints: what went wrong, the key or file, the fix, how to see more."""
     lines = [f"lppo: error: {what}"]
     if where:
         lines.append(f"  where: {where}")
@@ -98,23 +107,25 @@ def explain(exc: BaseException) -> str | None:
         message = " ".join(str(exc).split()) or package
         if isinstance(exc, ImportError) and "pip install" in message:
             # lppo's own import error names the install already (e.g. vLLM's own venv)
-            return _block(f"{type(exc).__name__}: {message}", None, None)
+            return short_block(f"{type(exc).__name__}: {message}", None, None)
         # e.g. jsonargparse's union-validation dump with Lightning's "Requirement ... not met"
-        return _block(
+        return short_block(
             f"the Python package {package!r} is not installed",
             None,
             f"pip install -c constraints.txt -e '.[{name}]' (in the lppo clone)",
         )
-    for err in _chain(exc):
+    for err in exception_chain(exc):
         if isinstance(err, SetupError):
             message = " ".join(str(err).split())
             key = _KEY.match(message)
-            return _block(f"{type(err).__name__}: {message}", key.group(1) if key else None, None)
-    for err in _chain(exc):
+            return short_block(
+                f"{type(err).__name__}: {message}", key.group(1) if key else None, None
+            )
+    for err in exception_chain(exc):
         if isinstance(err, FileNotFoundError | IsADirectoryError | PermissionError):
             path = err.filename
             what = f"{err.strerror or type(err).__name__}: {path!r}" if path else str(err)
-            return _block(
+            return short_block(
                 what, path, "check the path (a relative path starts at the directory lppo runs in)"
             )
     return None

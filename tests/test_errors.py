@@ -67,3 +67,48 @@ def test_missing_extra_names_the_install(tmp_path: Path) -> None:
     block = error_block(proc.stderr)
     assert "vLLM" in block[0] and "[vllm]" in block[0]
     assert len(block) <= 3
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "value", "fix"),
+    [
+        pytest.param(
+            TINY,
+            "model.estimator",
+            "lppo.estimators.GRPo",
+            "did you mean lppo.estimators.GRPO? lppo's AdvantageEstimator classes: "
+            "lppo.estimators.GAE, lppo.estimators.GRPO, lppo.estimators.RLOO, "
+            "lppo.estimators.ReinforcePP",
+            id="unknown-estimator",
+        ),
+        pytest.param(
+            TINY,
+            "model.actor.init_args.objective",
+            "lppo.algorithms.DAPO",
+            "lppo's PolicyObjective classes: lppo.algorithms.CISPO, lppo.algorithms.ClippedPPO, "
+            "lppo.algorithms.GSPO",
+            id="missing-objective",
+        ),
+        pytest.param(
+            ROOT / "configs" / "dataset.yaml",
+            "model.task.init_args.verifier",
+            "mymod.MyVerifier",
+            "an own module must be importable: run from its folder or set "
+            "PYTHONPATH=<its folder>; lppo's Verifier classes: lppo.tasks.verifiers.ExactMatch",
+            id="own-module-not-importable",
+        ),
+    ],
+)
+def test_class_path_mistake_prints_a_short_block_with_the_valid_classes(
+    tmp_path: Path, config: Path, key: str, value: str, fix: str
+) -> None:
+    args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "run")]
+    proc = lppo_cli(*args, f"--{key}", value)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    block = error_block(proc.stderr)
+    assert block[0].startswith(f"lppo: error: {key}={value}: "), block
+    assert block[1] == f"  where: {key}"
+    assert block[2].startswith(f"  fix:   {fix}"), block
+    assert len(block) == 4 and "--debug" in block[-1]
+    assert "Union" not in proc.stderr and "NoneType" not in proc.stderr

@@ -6,7 +6,8 @@
 their first sentence only, and the Trainer options that cannot apply to lppo's loop are hidden
 (:data:`NOT_APPLICABLE`) and refused at parse time by :func:`check_trainer_options`, naming
 lppo's replacement. A ``class_path`` given later gives the new class its own defaults
-(:mod:`lppo.run.class_switch`).
+(:mod:`lppo.run.class_switch`); a ``class_path`` that cannot be used is reported as lppo's short
+block (:mod:`lppo.run.class_errors`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lppo.errors import missing_extra
 from lppo.run import class_switch
+from lppo.run.class_errors import class_path_block
 from lppo.run.rst import rst_to_text
 
 class_switch.install()  # a later class_path gives the new class its own defaults
@@ -142,7 +144,11 @@ class PPOArgumentParser(LightningArgumentParser):
     """LightningCLI's parser with lppo's errors and help (see the module docstring)."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        """Print the error first, then the usage line and a tip; exit with status 2."""
+        """Print the error first, then the usage line and a tip; exit with status 2.
+
+        A ``class_path`` that cannot be used prints as lppo's short block instead, with the
+        classes lppo ships for the key (:func:`lppo.run.class_errors.class_path_block`).
+        """
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":
             super().error(message, ex)
         class_switch.flush()  # a dropped argument may be why the parse failed
@@ -151,13 +157,17 @@ class PPOArgumentParser(LightningArgumentParser):
             text = text.replace('"<unicode string>"', f'"{self._config_path}"')
         extra = missing_extra(ex) if ex is not None else None
         extra = extra or missing_extra(ImportError(text))
+        parser = getattr(ex, "subcommand_parser", None) or self
+        block = class_path_block(parser, ex) if ex is not None and extra is None else None
+        if block is not None:
+            sys.stderr.write(block + "\n")
+            self.exit(2)
         lines = [f"lppo: error: {text}"]
         if extra is not None:
             package, name = extra
             lines[0] = f"lppo: error: the Python package {package!r} is not installed"
             lines.append(f"  fix: pip install -c constraints.txt -e '.[{name}]' (in the clone)")
             lines.append(f"  (the parser said: {' '.join(text.split())[:300]})")
-        parser = getattr(ex, "subcommand_parser", None) or self
         guess = _closest_key(parser, text)
         if guess:
             lines.append(f"  did you mean {guess}?")
