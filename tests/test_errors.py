@@ -6,9 +6,11 @@ Every check runs ``python -m lppo.run.cli fit`` in a fresh process and reads its
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 from _cli import ROOT, TINY, lppo_cli
 
 
@@ -112,3 +114,61 @@ def test_class_path_mistake_prints_a_short_block_with_the_valid_classes(
     assert block[2].startswith(f"  fix:   {fix}"), block
     assert len(block) == 4 and "--debug" in block[-1]
     assert "Union" not in proc.stderr and "NoneType" not in proc.stderr
+
+
+def _refused_before_any_iteration(proc, run: Path, key: str) -> str:
+    """The short block naming ``key`` (no traceback), and no iteration begun."""
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    block = error_block(proc.stderr)
+    assert block[0].startswith(f"lppo: error: SettingError: {key}=")
+    assert f"where: {key}" in block[1] and len(block) <= 3
+    assert not list(run.rglob("*.ckpt"))
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 0
+    return block[0]
+
+
+@pytest.mark.parametrize("staleness", ["0", "1"])
+def test_a_multi_turn_prompt_longer_than_max_tokens_is_refused_at_setup(
+    tmp_path: Path, staleness: str
+) -> None:
+    """It failed inside iteration 1 with a 75-line traceback (from the rollout process at
+    staleness 1); the run plan measures the task's longest prompt before anything starts."""
+    run = tmp_path / "run"
+    proc = lppo_cli(
+        "fit", "--config", str(ROOT / "configs" / "multiturn.yaml"),
+        "--trainer.default_root_dir", str(run),
+        "--model.task.init_args.prompt", "d" * 20 + ":",
+        "--model.rollout.max_staleness", staleness,
+    )  # fmt: skip
+    line = _refused_before_any_iteration(proc, run, "model.engine.init_args.max_tokens")
+    assert "22 tokens" in line and "at least 25" in line
+
+
+def test_a_tool_environment_the_character_tokenizer_cannot_express_is_refused_at_setup(
+    tmp_path: Path,
+) -> None:
+    """configs/tiny.yaml's character tokenizer with ToolEnvironment: the Hermes system prompt
+    and every call would be <unk> (accepted before; the first call then failed mid-run)."""
+    engine = {
+        "class_path": "lppo.rollout.MultiTurnEngine",
+        "init_args": {
+            "engine": {"class_path": "lppo.rollout.HFGenerateEngine"},
+            "environment": {
+                "class_path": "lppo.envs.ToolEnvironment",
+                "init_args": {
+                    "tools": ["examples.smollm2.calculator.calculator"],
+                    "template": "hermes",
+                    "assistant_prefix": '<tool_call>\n{"name": "calculator"',
+                },
+            },
+            "max_tokens": 2048,
+        },
+    }
+    extra = tmp_path / "tools.yaml"
+    extra.write_text(yaml.safe_dump({"model": {"engine": engine}}))
+    run = tmp_path / "run"
+    proc = lppo_cli(*fit(run, "--config", str(extra), "--data.max_tokens_per_chunk", "4096"))
+    key = "model.engine.init_args.environment.init_args.template"
+    line = _refused_before_any_iteration(proc, run, key)
+    assert "cannot express a tool call" in line and "(to <unk>)" in line

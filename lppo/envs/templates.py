@@ -9,6 +9,7 @@ format_tool_call`), and ``role: tool`` messages as one user turn of ``<tool_resp
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -101,3 +102,24 @@ def renders_tools(tokenizer: Any) -> bool:
     plain = tokenizer.apply_chat_template(messages, tokenize=False)
     with_tools = tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False)
     return with_tools != plain and "lppo_probe_tool" in with_tools
+
+
+def lost_characters(tokenizer: Any, text: str) -> str:
+    """Characters of ``text`` that do not come back from ``tokenizer`` (encode, then decode).
+
+    Compared as counts of each character, whitespace aside (a tokenizer may normalize it) and
+    the tokenizer's special tokens aside (decoding skips them, ``<unk>`` included).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        text: what a chat template rendered.
+
+    Returns:
+        The lost characters, each once, in the order they occur in ``text`` (empty: none).
+    """
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    back = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    for special in tokenizer.all_special_tokens:
+        text = text.replace(special, "")
+    lost = Counter(c for c in text if not c.isspace()) - Counter(back)
+    return "".join(c for c in dict.fromkeys(text) if c in lost)

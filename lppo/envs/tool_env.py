@@ -20,12 +20,20 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from lppo.envs.base import Episode, Observation, Turn
-from lppo.envs.templates import HERMES_CHATML, renders_tools
-from lppo.envs.tools import ToolBox, ToolResult, parse_tool_calls
+from lppo.envs.templates import HERMES_CHATML, lost_characters, renders_tools
+from lppo.envs.tools import ToolBox, ToolCall, ToolResult, format_tool_call, parse_tool_calls
 from lppo.tasks.base import Prompt
 from lppo.validation import SettingError
 
 _KEY = "model.engine.init_args.environment.init_args"
+#: An argument of the probe call (:meth:`ToolEnvironment.setup`), by JSON schema type.
+_EXAMPLE_VALUES: dict[str, Any] = {"integer": 1, "number": 1.5, "boolean": True, "array": [1]}
+
+
+def _named(tokenizer: Any) -> str:
+    """The tokenizer as a message names it: its path, else the one a run builds in memory."""
+    path = getattr(tokenizer, "name_or_path", "")
+    return repr(path) if path else "built in memory (model.tokenizer_path: null: the character one)"
 
 
 class _ToolEpisode:
@@ -102,6 +110,8 @@ class ToolEnvironment:
             raise SettingError(f"{_KEY}.template={template!r}: use 'tokenizer' or 'hermes'.")
         if max_calls_per_turn < 1:
             raise SettingError(f"{_KEY}.max_calls_per_turn={max_calls_per_turn}: must be >= 1.")
+        if not tools:
+            raise SettingError(f"{_KEY}.tools=[]: give the environment at least one tool.")
         self.tools = ToolBox(tools, timeout_s, max_output_chars, key_prefix=_KEY)
         self.template = template
         self.system_prompt = system_prompt
@@ -117,10 +127,23 @@ class ToolEnvironment:
         self._chat_template: str | None = None
 
     def setup(self, tokenizer: Any) -> None:
-        """Bind the tokenizer and check that its template can render the tools.
+        """Bind the tokenizer and check, on a probe conversation, that it can call the tools.
+
+        The probe is rendered as every episode is: the opening (system turn with the tools'
+        schemas, few-shot messages, a user turn, the assistant header and prefix), a call of the
+        first tool (:func:`~lppo.envs.tools.format_tool_call`) and its tool turn. Checked:
+
+        1. ``template: tokenizer``: the tokenizer's template renders ``tools=``;
+        2. vocabulary: each part comes back from the tokenizer (encode, then decode) with every
+           character (whitespace aside): a character lost to ``<unk>`` could be neither read
+           nor written, so the policy could not call a tool;
+        3. end of turn: the template ends the assistant's turn right after the call with the
+           tokenizer's EOS token, one token, the one at which the engine ends a turn, and
+           appends the tool turn without re-rendering the earlier turns.
 
         Raises:
-            SettingError: ``template: tokenizer`` with a template that ignores ``tools=``.
+            SettingError: naming the template, the tokenizer, what is lost or how the turn ends,
+                and the fix.
         """
         if self.template == "hermes":
             self._chat_template = HERMES_CHATML
@@ -133,6 +156,70 @@ class ToolEnvironment:
         if tokenizer.eos_token is None:
             raise SettingError("ToolEnvironment needs a tokenizer with an end-of-turn (EOS) token")
         self._tokenizer = tokenizer
+        try:
+            self._check_probe(tokenizer)
+        except SettingError:
+            self._tokenizer = None  # not usable: start() keeps refusing
+            raise
+
+    def _probe(self) -> tuple[str, str, str, str]:
+        """A probe conversation's renderings: ``(opening, call, with the call, with its answer)``.
+
+        The opening as :meth:`_ToolEpisode.opening` renders it (without the assistant prefix),
+        the Hermes text of a call of the first tool, the conversation ending with that call as
+        the assistant's turn, then with the tool's answer and the next assistant header.
+        """
+        function = self.tools.schemas[0]["function"]
+        properties = function.get("parameters", {}).get("properties", {})
+        arguments = {k: _EXAMPLE_VALUES.get(v.get("type"), "1") for k, v in properties.items()}
+        call = format_tool_call(ToolCall(function["name"], arguments))
+        messages = _ToolEpisode(self, Prompt("", "")).messages
+        before = [*messages, {"role": "assistant", "content": call}]
+        tool = {"role": "tool", "name": function["name"], "content": "1"}
+        return (
+            self.render(messages, generation_prompt=True),
+            call,
+            self.render(before),
+            self.render([*before, tool], generation_prompt=True),
+        )
+
+    def _check_probe(self, tokenizer: Any) -> None:
+        """Checks 2 and 3 of :meth:`setup` on the :meth:`_probe` conversation."""
+        head, call, base, full = self._probe()
+        if not full.startswith(head + call):
+            raise SettingError(
+                f"{_KEY}.template={self.template!r}: the chat template re-renders the earlier "
+                "turns when a tool message is appended; multi-turn tool calls need a template "
+                "that appends turns (template: hermes for ChatML models)."
+            )
+        parts = {
+            "the opening (system turn with the tools' schemas, user turn, assistant header)": head
+            + self.assistant_prefix,
+            "a tool call": call,
+            "the tool turn": full[len(head + call) :],
+        }
+        for where, text in parts.items():
+            if lost := lost_characters(tokenizer, text):
+                raise SettingError(
+                    f"{_KEY}.template={self.template!r}: the tokenizer {_named(tokenizer)} cannot "
+                    f"express a tool call: encoded and decoded, {where} loses {len(lost)} "
+                    f"character(s) {lost[:40]!r} (to {tokenizer.unk_token or 'other text'}), so "
+                    "the policy could neither read its tools nor write a <tool_call>; set "
+                    "model.tokenizer_path to a chat model's tokenizer that has them (e.g. "
+                    "SmolLM2-Instruct's, with template: hermes)."
+                )
+        eos = str(tokenizer.eos_token)
+        ids = list(tokenizer(eos, add_special_tokens=False)["input_ids"])
+        ending = base[len(head + call) :]
+        if not ending.startswith(eos) or ids != [tokenizer.eos_token_id]:
+            raise SettingError(
+                f"{_KEY}.template={self.template!r}: the chat template ends the assistant's turn "
+                f"with {ending[:24]!r}, not with the EOS token {eos!r} of the tokenizer "
+                f"{_named(tokenizer)} as one token (ids {ids}), where the engine ends a turn, so "
+                "no tool call could be answered. Use a tokenizer whose EOS ends the template's "
+                "turns (a ChatML model's <|im_end|>, with template: hermes), or a template that "
+                f"ends turns with {eos!r}."
+            )
 
     def start(self, prompt: Prompt, seed: int) -> Episode:
         """A conversation opened by ``prompt`` (tools are deterministic: the seed is unused)."""
@@ -168,10 +255,11 @@ class ToolEnvironment:
         base, full = self.render(before), self.render(after, generation_prompt=True)
         eos = str(self._tokenizer.eos_token)
         cut = base.rfind(eos)
-        if cut < 0 or not full.startswith(base[:cut]):
-            raise RuntimeError(
-                "the chat template does not render the assistant turn with the tokenizer's EOS "
-                f"token {eos!r} as its end, or re-renders earlier turns when tool messages are "
-                "appended; multi-turn tool calls need a template that appends turns."
+        if cut < 0 or not full.startswith(base[:cut]):  # setup's probe passed: a rare template
+            raise SettingError(
+                f"{_KEY}.template={self.template!r}: the chat template does not render the "
+                f"assistant turn with the tokenizer's EOS token {eos!r} as its end, or re-renders "
+                "earlier turns when tool messages are appended; multi-turn tool calls need a "
+                "template that appends turns."
             )
         return full[cut + len(eos) if ended else cut :]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from lppo.rollout.settings import RolloutSettings
+from lppo.tasks.base import Task
 
 __all__ = ["CapableEngine", "EngineCapabilities", "capabilities_of"]
 
@@ -37,6 +40,12 @@ class EngineCapabilities:
             task's longest prompt, one separator and ``model.rollout.max_new_tokens``).
         multi_turn: a row holds several policy turns, each bounded by
             ``model.rollout.max_new_tokens`` (a per-turn limit, not the row's).
+        check_setup: ``(tokenizer, task, sampling)``: refuses, with a
+            :class:`~lppo.validation.SettingError`, what the engine could not run with the run's
+            tokenizer, task and sampling settings; the run plan calls it before anything starts
+            (``None``: nothing to check).
+        encode_prompt: ``(tokenizer, text) -> ids``: a prompt's token ids as the engine will
+            encode them, known before its setup (``None``: the engine cannot tell).
     """
 
     generates_elsewhere: bool = False
@@ -47,6 +56,8 @@ class EngineCapabilities:
     take_restarts: Callable[[], int] | None = None
     max_row_tokens: int | None = None
     multi_turn: bool = False
+    check_setup: Callable[[Any, Task, RolloutSettings], None] | None = None
+    encode_prompt: Callable[[Any, str], list[int]] | None = None
 
 
 @runtime_checkable

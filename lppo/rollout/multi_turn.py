@@ -20,6 +20,7 @@ depend on the engine's batch size nor on how many ranks generate the blocks.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +30,10 @@ from lppo.envs.base import Environment, Episode, Observation, Turn
 from lppo.init_args import RecordsInitArgs
 from lppo.reports import EpisodeReport
 from lppo.rollout.base import GenerationOutput, RolloutEngine, RolloutSettings
-from lppo.rollout.capabilities import EngineCapabilities
+from lppo.rollout.capabilities import EngineCapabilities, capabilities_of
 from lppo.rollout.source import derive_seed
 from lppo.rollout.turns import TurnEngine, TurnRequest, TurnSample
-from lppo.tasks.base import Prompt
+from lppo.tasks.base import Prompt, Task
 from lppo.validation import SettingError, check_number
 
 
@@ -96,8 +97,13 @@ class MultiTurnEngine(RecordsInitArgs):
         self._tokenizer: Any = None
 
     def capabilities(self) -> EngineCapabilities:
-        """Rows of several turns, bounded by ``max_tokens`` (prompt and every turn included)."""
-        return EngineCapabilities(max_row_tokens=self.max_tokens, multi_turn=True)
+        """Rows of several turns, bounded by ``max_tokens``; checked at setup (:meth:`check_setup`).
+
+        ``max_tokens`` counts the prompt and every turn.
+        """
+        return EngineCapabilities(
+            max_row_tokens=self.max_tokens, multi_turn=True, check_setup=self.check_setup
+        )
 
     @property
     def weights_version(self) -> int:
@@ -116,6 +122,62 @@ class MultiTurnEngine(RecordsInitArgs):
             )
         return self.engine
 
+    def check_setup(self, tokenizer: Any, task: Task, sampling: RolloutSettings) -> None:
+        """Refuse, before anything starts, what the first episodes would fail on.
+
+        The run plan calls it. Checked: the inner engine and the sampling settings (as
+        :meth:`setup`); the environment's own setup checks (a tool environment's template, EOS
+        and vocabulary), on a copy set up and closed here; and the opening of the task's
+        longest prompt (:meth:`~lppo.tasks.Task.longest_prompt`), tokenized as the episodes
+        will be, which must leave room for a turn under ``max_tokens``. An opening of ``None``
+        is encoded as the inner engine encodes prompts; an inner engine that cannot tell (no
+        ``encode_prompt`` capability) leaves that to the first episode, which refuses alike.
+
+        Raises:
+            SettingError: naming the key, the value and the fix.
+        """
+        self._check_turns(sampling)
+        # A copy: environments pickle before setup (runners copy the engine after this).
+        environment = copy.deepcopy(self.environment)
+        try:
+            environment.setup(tokenizer)
+            prompt = task.longest_prompt()
+            opening = environment.start(prompt, 0).opening()
+        finally:
+            environment.close()
+        if opening is not None:
+            ids = tokenizer(opening, add_special_tokens=False)["input_ids"]
+        elif (encode := capabilities_of(self.engine).encode_prompt) is not None:
+            ids = encode(tokenizer, prompt.text)
+        else:
+            return
+        self._check_opening(prompt, len(ids), opening is not None, sampling.max_new_tokens)
+
+    def _check_turns(self, sampling: RolloutSettings) -> None:
+        """The inner engine continues turns; the sampling settings apply to turns."""
+        self.turns  # noqa: B018 (checks the inner engine before anything starts)
+        if sampling.min_new_tokens or sampling.ignore_eos:
+            raise SettingError(
+                "model.rollout.min_new_tokens / ignore_eos do not apply to multi-turn rollouts "
+                "(a turn ends at its end-of-turn token); set them to 0 / false."
+            )
+
+    def _check_opening(self, prompt: Prompt, tokens: int, rendered: bool, turn: int) -> None:
+        """Refuse an opening of ``tokens`` that leaves no room for a turn under ``max_tokens``."""
+        if tokens < self.max_tokens:
+            return
+        what = "as the engine encodes prompts"
+        if rendered:
+            what = "the environment's opening: chat template, system prompt, tools"
+        text = prompt.text if len(prompt.text) <= 60 else prompt.text[:57] + "..."
+        raise SettingError(
+            f"model.engine.init_args.max_tokens={self.max_tokens}: the prompt {text!r} "
+            f"({len(prompt.text)} characters) opens its episode with {tokens} tokens ({what}), "
+            "which leaves no room for a turn; raise max_tokens to at least "
+            f"{tokens + turn} (the opening and one turn of model.rollout.max_new_tokens={turn}), "
+            "or shorten the task's prompts" + (" or the system prompt." if rendered else ".")
+        )
+
     def setup(self, policy: torch.nn.Module, tokenizer: Any, sampling: RolloutSettings) -> None:
         """Set the inner engine and the environment up.
 
@@ -123,12 +185,7 @@ class MultiTurnEngine(RecordsInitArgs):
             SettingError: an inner engine without turn-by-turn generation, or sampling
                 settings that do not apply to turns (``min_new_tokens``, ``ignore_eos``).
         """
-        self.turns  # noqa: B018 (checks the inner engine before anything starts)
-        if sampling.min_new_tokens or sampling.ignore_eos:
-            raise SettingError(
-                "model.rollout.min_new_tokens / ignore_eos do not apply to multi-turn rollouts "
-                "(a turn ends at its end-of-turn token); set them to 0 / false."
-            )
+        self._check_turns(sampling)
         self.engine.setup(policy, tokenizer, sampling)
         self.environment.setup(tokenizer)
         self.sampling = sampling
@@ -200,11 +257,8 @@ class MultiTurnEngine(RecordsInitArgs):
             ids = self.turns.encode_prompt(prompt.text)
         else:
             ids = list(self._tokenizer(opening, add_special_tokens=False)["input_ids"])
-        if len(ids) >= self.max_tokens:
-            raise ValueError(
-                f"prompt {prompt.text!r} encodes to {len(ids)} tokens, which leaves no room for a "
-                f"turn under model.engine.init_args.max_tokens={self.max_tokens}; raise it."
-            )
+        # a prompt longer than the task's longest (check_setup measured that one)
+        self._check_opening(prompt, len(ids), opening is not None, self.sampling.max_new_tokens)
         return _Trajectory(row, prompt_index, episode, list(ids), len(ids))
 
     def _answer(self, t: _Trajectory, sample: TurnSample, report: EpisodeReport) -> None:

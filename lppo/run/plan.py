@@ -6,7 +6,9 @@ settings known), :meth:`RunPlan.resolve` asks each component what it can do and 
 and decides, in this order:
 
 1. the rules across setting groups (staleness × layout, dynamic sampling × fixed rows per
-   rank, failure budget × data parallelism, overlong shaping × response length);
+   rank, failure budget × data parallelism, overlong shaping × response length) and the
+   engine's own setup check against the task and tokenizer (a multi-turn opening ×
+   ``max_tokens``, a tool environment × template, EOS and vocabulary);
 2. the runner (``model.runner: null``) from the staleness and the engine's capabilities;
 3. the producer of each column: old values (score phase or the critic's first epoch) and π_old
    (the actor's first epoch, the engine, or a separate pass), at the run's final dtype; then
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -45,6 +48,7 @@ from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.pipeline import default_runner, stale_correction
 from lppo.rollout.runners import RolloutRunner
+from lppo.tasks.base import Task
 from lppo.types import OLD_LOGPROBS, PROMPT_INDEX, REF_LOGPROBS
 from lppo.validation import SettingError
 
@@ -71,6 +75,8 @@ class RunParts:
         parallel: the run's process groups and layout.
         precision: ``trainer.precision`` (the dtype the models will compute in).
         strategy: the trainer's strategy class name (a fact, recorded).
+        task: ``model.task`` (``None``: a plan without a run; the engine's setup check skipped).
+        tokenizer: the run's tokenizer.
     """
 
     actor: ActorModule
@@ -85,6 +91,8 @@ class RunParts:
     parallel: ParallelContext
     precision: str = "32-true"
     strategy: str = "SingleDeviceStrategy"
+    task: Task | None = None
+    tokenizer: Any = None
 
 
 @dataclass
@@ -270,6 +278,9 @@ def _check_rules(parts: RunParts) -> None:
             "(configs/grpo.yaml: 4), or use an estimator without groups (lppo.estimators.GAE, "
             "ReinforcePP)."
         )
+    check = capabilities_of(parts.engine).check_setup  # e.g. multi-turn openings vs max_tokens
+    if check is not None and parts.task is not None:
+        check(parts.tokenizer, parts.task, r)
     if parts.ppo.overlong_buffer and capabilities_of(parts.engine).multi_turn:
         raise SettingError(
             f"model.ppo.overlong_buffer={parts.ppo.overlong_buffer} with a multi-turn engine "

@@ -190,6 +190,8 @@ class PPOSystem(LightningModule):
             parallel=parallel,
             precision=str(getattr(trainer, "precision", "32-true")),
             strategy=strategy,
+            task=self.task,
+            tokenizer=self.tokenizer,
         )
 
     def _wire(

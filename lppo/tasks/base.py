@@ -80,6 +80,21 @@ class Task(RecordsInitArgs, abc.ABC):
         """
         return max(len(p.text) for p in self.sample_prompts(1024, random.Random(0)))
 
+    def longest_prompt(self) -> Prompt:
+        """A prompt with the longest text the task can produce.
+
+        A multi-turn run renders its episode's opening at setup, to refuse a prompt that leaves
+        no room for a turn under the engine's ``max_tokens``. The default samples 1024 prompts
+        with a fixed seed (as :meth:`max_prompt_length`) and puts the task back to its state
+        (:meth:`state_dict`); tasks that know their longest prompt override it.
+        """
+        state = self.state_dict()
+        try:
+            prompts = self.sample_prompts(1024, random.Random(0))
+        finally:
+            self.load_state_dict(state)
+        return max(prompts, key=lambda p: len(p.text))
+
     def sample_texts(self) -> list[str]:
         """Prompt texts and answers the run's tokenizer is checked against at setup.
 

@@ -366,6 +366,11 @@ class DatasetTask(Task):
         """Longest prompt text of the dataset, in characters (never advances the walk)."""
         return max(len(t) for t in self.texts)
 
+    def longest_prompt(self) -> Prompt:
+        """The row with the longest prompt text (never advances the walk)."""
+        row = max(range(len(self.texts)), key=lambda r: len(self.texts[r]))
+        return Prompt(self.texts[row], self.answers[row], {"row": row, "epoch": self.epoch})
+
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The position of the walk: ``epoch``, ``position`` in it, and the dataset's ``rows``."""

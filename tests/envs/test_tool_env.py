@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _tools import add, fail, sleep
-from test_tools import _tiny_tokenizer
+from test_tools import _real_tokenizer, _tiny_tokenizer
 
 from lppo.envs import PythonTool, ToolCall, ToolEnvironment, Turn, format_tool_call
 from lppo.envs.tools import parse_tool_calls
@@ -128,3 +128,84 @@ def test_few_shot_messages_and_an_assistant_prefix_open_the_conversation():
     env.close()
     with pytest.raises(SettingError, match=r"few_shot\[0\]"):
         ToolEnvironment([add], few_shot=[{"content": "no role"}])
+
+
+def test_a_tokenizer_that_loses_the_tool_call_characters_is_refused():
+    """The character tokenizer of configs/tiny.yaml: the Hermes system prompt and any
+    ``<tool_call>`` would be ``<unk>`` (accepted before, untrainable)."""
+    from lppo.modules.tokenizer import build_char_tokenizer
+    from lppo.tasks import CopyTask
+
+    env = ToolEnvironment([add], template="hermes")
+    lost = r"template='hermes': the tokenizer built in memory .* cannot express a tool call: "
+    lost += r"encoded and decoded, the opening .* loses \d+ character\(s\) '<\|im_.*' \(to <unk>\)"
+    with pytest.raises(SettingError, match=lost):
+        env.setup(build_char_tokenizer(CopyTask().vocabulary()))
+    with pytest.raises(RuntimeError, match="before setup"):
+        env.start(PROMPT, seed=0)
+    # the policy's characters alone are not enough: the call and the tool turn must come back
+    ascii_only = build_char_tokenizer("".join(map(chr, range(32, 127))) + "\n")
+    lost = r"template='tokenizer': .* the tool turn loses 1 character\(s\) 'é'"
+    with pytest.raises(SettingError, match=lost):
+        ToolEnvironment([add]).setup(_answering(ascii_only, "é"))
+    env.close()
+
+
+def _answering(tok, text):
+    """``tok`` with HERMES_CHATML as its own template, its tool turns adding ``text``."""
+    from lppo.envs.templates import HERMES_CHATML
+
+    answer = "message['content'] + '\\n</tool_response>'"
+    assert answer in HERMES_CHATML
+    tok.chat_template = HERMES_CHATML.replace(answer, answer.replace("'\\n", f"'{text}\\n"))
+    return tok
+
+
+def test_a_template_that_does_not_end_turns_with_the_eos_token_is_refused():
+    """The engine ends a turn at the tokenizer's EOS: a template that ends the assistant's turn
+    with another token, or re-renders it once a tool answers, failed at the first tool call,
+    mid-run."""
+    tok = _tiny_tokenizer()
+    tok.eos_token = "<|endoftext|>"
+    env = ToolEnvironment([add], template="hermes")
+    reread = ToolEnvironment([add])
+    ending = r"ends the assistant's turn with '<\|im_end\|>\\n', not with the EOS token "
+    ending += r"'<\|endoftext\|>'"
+    with pytest.raises(SettingError, match=ending):
+        env.setup(tok)
+    # a template that drops an earlier assistant turn once a tool answers it
+    tok = _tiny_tokenizer()
+    tok.chat_template = (
+        "{% for t in tools or [] %}{{ t['function']['name'] }}\n{% endfor %}{% for m in messages %}"
+        "<|im_start|>{{ m['role'] }}\n{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(
+        SettingError, match=r"template='tokenizer': .* re-renders the earlier turns"
+    ):
+        reread.setup(tok)
+    env.setup(tok)  # lppo's own template (hermes) appends turns
+    env.close()
+    reread.close()
+
+
+@pytest.mark.slow
+def test_smollm2_s_tokenizer_with_the_hermes_template_is_accepted_and_its_opening_measured():
+    """The real ChatML tokenizer passes every check; its opening (system prompt and tools'
+    schemas, ~240 tokens) is what a multi-turn run's ``max_tokens`` must leave room after."""
+    from examples.smollm2.calculator import calculator
+    from examples.smollm2.smollm2_task import ChatArithmeticTask
+    from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutSettings
+
+    tok = _real_tokenizer()
+    env = ToolEnvironment([calculator], template="hermes")
+    env.setup(tok)
+    opening = env.start(PROMPT, seed=0).opening()
+    tokens = len(tok(opening, add_special_tokens=False)["input_ids"])
+    assert 200 < tokens < 300, tokens
+    task, sampling = ChatArithmeticTask(), RolloutSettings(max_new_tokens=24)
+    MultiTurnEngine(HFGenerateEngine(), env, max_tokens=768).check_setup(tok, task, sampling)
+    with pytest.raises(SettingError, match=r"max_tokens=200: .*environment's opening"):
+        MultiTurnEngine(HFGenerateEngine(), env, max_tokens=200).check_setup(tok, task, sampling)
+    env.close()

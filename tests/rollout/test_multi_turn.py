@@ -169,9 +169,35 @@ def test_settings_that_do_not_apply_to_turns_are_refused(model):
 
 
 def test_a_prompt_longer_than_the_row_limit_is_refused(model):
+    """The first episode's backstop (a prompt longer than the task's longest): the short block's
+    SettingError naming the key and the value that fits, not a bare ValueError."""
     mt = engine(model, max_tokens=3)
-    with pytest.raises(ValueError, match="max_tokens=3"):
+    with pytest.raises(SettingError, match=r"max_tokens=3: .* 7 tokens .* at least 11"):
         mt.generate([Prompt("d:d:d:", "1")], samples_per_prompt=1, seed=0)
+
+
+def test_an_opening_that_leaves_no_room_for_a_turn_is_refused_at_setup():
+    """``check_setup`` (the run plan's) measures the opening of the task's longest prompt as the
+    episodes will: the inner engine's encoding (BOS + prompt) or the environment's own text."""
+    task = HiddenDigitTask(prompt="d:" * 8)  # 16 characters, 17 tokens with BOS
+    sampling = RolloutSettings(max_new_tokens=4)
+    refused = r"max_tokens=17: the prompt 'd:d:d:d:d:d:d:d:' \(16 characters\) opens its episode "
+    refused += r"with 17 tokens \(as the engine encodes prompts\).* at least 21"
+    for max_tokens, ok in ((17, False), (18, True)):
+        mt = MultiTurnEngine(HFGenerateEngine(), HiddenDigitEnvironment(), max_tokens=max_tokens)
+        for checked in (mt, RayWorkersEngine(engine=mt)):  # the workers' engine checks too
+            check = checked.capabilities().check_setup
+            assert check is not None
+            if ok:
+                check(TOK, task, sampling)
+            else:
+                with pytest.raises(SettingError, match=refused):
+                    check(TOK, task, sampling)
+    scripted = MultiTurnEngine(HFGenerateEngine(), _Scripted(turns=1), max_tokens=2)  # "d:"
+    with pytest.raises(SettingError, match=r"2 tokens \(the environment's opening"):
+        scripted.check_setup(TOK, task, sampling)
+    with pytest.raises(SettingError, match="min_new_tokens"):
+        scripted.check_setup(TOK, task, RolloutSettings(min_new_tokens=1))
 
 
 class _Scripted:

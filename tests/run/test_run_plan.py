@@ -194,3 +194,36 @@ def test_knobs_whose_size_is_memory_are_bounded_at_setup(rollout) -> None:
     small = {k: 2 if k == "max_staleness" else v for k, v in rollout.items()}
     small = {k: 10 if k == "dynamic_sampling_rounds" else v for k, v in small.items()}
     RunPlan.resolve(dataclasses.replace(parts(), rollout=RolloutSettings(**small)))
+
+
+def test_a_multi_turn_opening_longer_than_max_tokens_is_refused_at_setup() -> None:
+    """The plan asks the engine (inside Ray workers too) to measure the opening of the task's
+    longest prompt, before anything starts: it failed inside iteration 1 with a traceback. A tool
+    environment's opening is the chat template's rendering (system prompt, tools' schemas)."""
+    import dataclasses
+
+    from _tools import add
+    from test_tools import _tiny_tokenizer
+
+    from lppo.envs import HiddenDigitEnvironment, HiddenDigitTask, ToolEnvironment
+    from lppo.rollout import MultiTurnEngine
+    from lppo.rollout.ray_workers import RayWorkersEngine
+    from lppo.validation import SettingError
+
+    task = HiddenDigitTask(prompt="d:" * 10)  # 21 tokens with BOS
+    tok = build_char_tokenizer(task.vocabulary())
+    for max_tokens, ok in ((21, False), (22, True)):
+        digit = MultiTurnEngine(HFGenerateEngine(), HiddenDigitEnvironment(), max_tokens=max_tokens)
+        for engine in (digit, RayWorkersEngine(engine=digit)):
+            run = dataclasses.replace(parts(engine=engine), task=task, tokenizer=tok)
+            if ok:
+                RunPlan.resolve(run)
+            else:
+                with pytest.raises(SettingError, match=r"max_tokens=21: .* 21 tokens"):
+                    RunPlan.resolve(run)
+    tools = ToolEnvironment([add], template="hermes")
+    engine = MultiTurnEngine(HFGenerateEngine(), tools, max_tokens=64)
+    run = dataclasses.replace(parts(engine=engine), task=task, tokenizer=_tiny_tokenizer())
+    with pytest.raises(SettingError, match=r"max_tokens=64: .* \(the environment's opening"):
+        RunPlan.resolve(run)
+    tools.close()

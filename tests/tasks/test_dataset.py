@@ -89,6 +89,17 @@ def test_vocabulary_and_max_prompt_length_come_from_the_data(jsonl: Path) -> Non
         assert set(p.text + p.answer) <= set(task.vocabulary())
 
 
+def test_the_longest_prompt_is_the_data_s_longest_row(tmp_path: Path) -> None:
+    """A multi-turn run measures its opening at setup (not a sample of the walk)."""
+    rows = [*ROWS[:5], {"question": "12345+54321", "answer": "66666", "id": 9}, *ROWS[5:]]
+    task = make(write_jsonl(tmp_path / "rows.jsonl", rows), template="{question}=")
+    task.sample_prompts(2, random.Random(0))
+    before = task.state_dict()
+    assert task.longest_prompt() == Prompt("12345+54321=", "66666", {"row": 5, "epoch": 0})
+    assert len(task.longest_prompt().text) == task.max_prompt_length()
+    assert task.state_dict() == before
+
+
 # ---------------------------------------------------------------------- epochs, state
 def test_epochs_cover_every_row_wrap_and_reshuffle(jsonl: Path) -> None:
     task = make(jsonl, seed=1)

@@ -41,6 +41,11 @@ def test_vocabulary_covers_prompts_and_answers(task):
         assert p.answer
 
 
+def test_the_longest_prompt_is_as_long_as_the_bound(task):
+    """The default samples (as ``max_prompt_length``): these tasks reach their bound."""
+    assert len(task.longest_prompt().text) == task.max_prompt_length()
+
+
 @given(st.integers(0, 10_000), st.text(max_size=20))
 def test_rewards_in_unit_interval(seed, completion):
     for make in TASK_FACTORIES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Literal
 
 import torch
@@ -191,10 +192,16 @@ class HFGenerateEngine(RecordsInitArgs):
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
 
     def capabilities(self) -> EngineCapabilities:
-        """π's own log-probs with every sample (``model.ppo.old_logprobs: engine``)."""
+        """π's own log-probs with every sample (``model.ppo.old_logprobs: engine``); encoding.
+
+        How it encodes prompts is known before setup: a multi-turn run measures its openings.
+        """
         return EngineCapabilities(
             policy_logprob_obstacles=self.policy_logprob_obstacles,
             enable_policy_logprobs=self._enable_policy_logprobs,
+            encode_prompt=partial(
+                encode_prompt, prepend_bos=self.prepend_bos, chat_template=self.chat_template
+            ),
         )
 
     def _enable_policy_logprobs(self) -> None:

@@ -190,13 +190,15 @@ class RayWorkersEngine(RecordsInitArgs):
         self._load_all()
 
     def capabilities(self) -> EngineCapabilities:
-        """Generation in the workers; restarts counted; the workers' engine bounds the rows."""
+        """Generation in the workers; restarts counted; the inner engine bounds and checks rows."""
         inner = capabilities_of(self.engine)
         return EngineCapabilities(
             generates_elsewhere=True,
             take_restarts=self.take_restarts,
             max_row_tokens=inner.max_row_tokens,
             multi_turn=inner.multi_turn,
+            check_setup=inner.check_setup,
+            encode_prompt=inner.encode_prompt,
         )
 
     def take_restarts(self) -> int:

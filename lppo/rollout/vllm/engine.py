@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -28,6 +29,7 @@ import transformers
 from lppo.init_args import RecordsInitArgs
 from lppo.layouts.base import layout_of
 from lppo.rollout.base import GenerationOutput, RolloutSettings
+from lppo.rollout.capabilities import EngineCapabilities
 from lppo.rollout.encoding import encode_prompt
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
@@ -297,6 +299,14 @@ class VLLMEngine(RecordsInitArgs):
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt (:func:`~lppo.rollout.encoding.encode_prompt`)."""
         return encode_prompt(self.tokenizer, text, self.prepend_bos, self.chat_template)
+
+    def capabilities(self) -> EngineCapabilities:
+        """How it encodes prompts (a multi-turn run measures its openings with it at setup)."""
+        return EngineCapabilities(
+            encode_prompt=partial(
+                encode_prompt, prepend_bos=self.prepend_bos, chat_template=self.chat_template
+            )
+        )
 
     def continue_turns(
         self, requests: Sequence[TurnRequest], greedy: bool = False
