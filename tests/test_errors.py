@@ -172,3 +172,26 @@ def test_a_tool_environment_the_character_tokenizer_cannot_express_is_refused_at
     key = "model.engine.init_args.environment.init_args.template"
     line = _refused_before_any_iteration(proc, run, key)
     assert "cannot express a tool call" in line and "(to <unk>)" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (  # the character tokenizer has no chat template
+            ["--model.engine", "lppo.rollout.HFGenerateEngine",
+             "--model.engine.init_args.chat_template", "true"],
+            "SettingError: model.engine.init_args.chat_template=true but the tokenizer has no",
+        ),
+        (  # dynamic sampling drops every group of one sample
+            ["--model.rollout.dynamic_sampling_rounds", "2",
+             "--model.rollout.samples_per_prompt", "1"],
+            "SettingError: model.rollout.dynamic_sampling_rounds=2 with",
+        ),
+    ],
+)  # fmt: skip
+def test_engine_and_sampling_mistakes_stop_at_setup(tmp_path, extra, message):
+    proc = lppo_cli(*fit(tmp_path / "run", *extra))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in error_block(proc.stderr)[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()

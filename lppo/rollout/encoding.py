@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import transformers
+
+from lppo.validation import SettingError
 
 
 def prompt_text(
@@ -42,3 +46,33 @@ def encode_prompt(
     if not ids:
         raise ValueError(f"prompt {text!r} encodes to no token")
     return ids
+
+
+def check_tokenizer(tokenizer: Any, chat_template: bool) -> None:
+    """Refuse a tokenizer an engine cannot generate with (the engines' setup and the plan).
+
+    Args:
+        tokenizer: the run's tokenizer.
+        chat_template: the engine's ``chat_template`` setting.
+
+    Raises:
+        SettingError: the tokenizer has no EOS token (no response could end), or
+            ``chat_template`` is on and the tokenizer has no chat template.
+    """
+    if tokenizer.eos_token_id is None:
+        raise SettingError(
+            f"model.tokenizer_path: the tokenizer ({type(tokenizer).__name__}) defines no EOS "
+            "token, so no response could end; use a tokenizer directory that defines "
+            "eos_token (its tokenizer_config.json / special_tokens_map.json)."
+        )
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise SettingError(
+            "model.engine.init_args.chat_template=true but the tokenizer has no chat "
+            "template; use a tokenizer directory that has one (model.tokenizer_path) or set "
+            "chat_template: false"
+        )
+
+
+def check_setup(chat_template: bool, tokenizer: Any, task: Any, sampling: Any) -> None:
+    """An engine's ``check_setup`` capability: :func:`check_tokenizer` before anything starts."""
+    check_tokenizer(tokenizer, chat_template)

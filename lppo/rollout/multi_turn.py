@@ -137,6 +137,9 @@ class MultiTurnEngine(RecordsInitArgs):
             SettingError: naming the key, the value and the fix.
         """
         self._check_turns(sampling)
+        inner = capabilities_of(self.engine).check_setup  # its tokenizer checks
+        if inner is not None:
+            inner(tokenizer, task, sampling)
         # A copy: environments pickle before setup (runners copy the engine after this).
         environment = copy.deepcopy(self.environment)
         try:

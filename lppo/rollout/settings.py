@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lppo.validation import check_number
+from lppo.validation import SettingError, check_number
 
 __all__ = ["RolloutSettings"]
 
@@ -122,7 +122,7 @@ class RolloutSettings:
             fix="0 turns dynamic sampling off; DAPO allows a few extra generation rounds.",
         )
         if self.dynamic_sampling_rounds and self.samples_per_prompt < 2:
-            raise ValueError(
+            raise SettingError(
                 f"model.rollout.dynamic_sampling_rounds={self.dynamic_sampling_rounds} with "
                 f"model.rollout.samples_per_prompt={self.samples_per_prompt}: a group of one "
                 "sample always has a single reward, so every group would be dropped; sample at "

@@ -14,7 +14,7 @@ from lppo.decisions import note
 from lppo.init_args import RecordsInitArgs
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.capabilities import EngineCapabilities
-from lppo.rollout.encoding import encode_prompt, prompt_text
+from lppo.rollout.encoding import check_setup, check_tokenizer, encode_prompt, prompt_text
 from lppo.rollout.hf.attention import filled_part_decode
 from lppo.rollout.hf.prefill import (
     cache_keyword,
@@ -28,7 +28,7 @@ from lppo.rollout.hf.samples import Sample, as_output, cut_samples, picked_logpr
 from lppo.rollout.hf.turns import continue_turns
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
-from lppo.validation import check_number
+from lppo.validation import SettingError, check_number
 
 
 class HFGenerateEngine(RecordsInitArgs):
@@ -112,7 +112,7 @@ class HFGenerateEngine(RecordsInitArgs):
                 fix="null prefills each generate batch in one pass; auto picks for the model.",
             )
         if cache not in ("auto", "dynamic", "static"):
-            raise ValueError(
+            raise SettingError(
                 f"model.engine.init_args.cache={cache!r} is not a KV cache kind; "
                 "use 'auto', 'dynamic' or 'static'"
             )
@@ -161,14 +161,7 @@ class HFGenerateEngine(RecordsInitArgs):
                 tokenizer has no chat template, or ``prefill_tokens`` / ``cache: static`` is
                 set for a model with a layer that is not full attention.
         """
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer must define an eos token")
-        if self.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "model.engine.init_args.chat_template=true but the tokenizer has no chat "
-                "template; use a tokenizer directory that has one (model.tokenizer_path) or "
-                "set chat_template: false"
-            )
+        check_tokenizer(tokenizer, self.chat_template)
         self.cache_kind, self.prefill_budget = resolve_cache(
             policy, self.cache, self.prefill_tokens
         )
@@ -202,6 +195,7 @@ class HFGenerateEngine(RecordsInitArgs):
             encode_prompt=partial(
                 encode_prompt, prepend_bos=self.prepend_bos, chat_template=self.chat_template
             ),
+            check_setup=partial(check_setup, self.chat_template),
         )
 
     def _enable_policy_logprobs(self) -> None:

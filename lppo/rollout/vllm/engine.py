@@ -30,9 +30,10 @@ from lppo.init_args import RecordsInitArgs
 from lppo.layouts.base import layout_of
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.capabilities import EngineCapabilities
-from lppo.rollout.encoding import encode_prompt
+from lppo.rollout.encoding import check_setup, check_tokenizer, encode_prompt
 from lppo.rollout.turns import TurnRequest, TurnSample
 from lppo.tasks.base import Prompt
+from lppo.validation import SettingError
 
 SyncMode = Literal["memory", "disk"]
 
@@ -106,11 +107,11 @@ class VLLMEngine(RecordsInitArgs):
     ) -> None:
         key = "model.engine.init_args"
         if sync not in ("memory", "disk"):
-            raise ValueError(f"{key}.sync={sync!r}; use 'memory' or 'disk'.")
+            raise SettingError(f"{key}.sync={sync!r}; use 'memory' or 'disk'.")
         if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"{key}.max_model_len={max_model_len} must be >= 2 or null.")
+            raise SettingError(f"{key}.max_model_len={max_model_len} must be >= 2 or null.")
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
+            raise SettingError(
                 f"{key}.gpu_memory_utilization={gpu_memory_utilization} must lie in (0, 1]."
             )
         self.sync = sync
@@ -151,13 +152,7 @@ class VLLMEngine(RecordsInitArgs):
                 or a policy vLLM cannot load (not a Hugging Face ``PreTrainedModel``).
         """
         vllm = import_vllm()
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer must define an eos token")
-        if self.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "model.engine.init_args.chat_template=true but the tokenizer has no chat "
-                "template; use a tokenizer that has one or set chat_template: false"
-            )
+        check_tokenizer(tokenizer, self.chat_template)
         if not isinstance(policy, transformers.PreTrainedModel):
             raise ValueError(
                 f"VLLMEngine loads a Hugging Face PreTrainedModel; got {type(policy).__name__}."
@@ -305,7 +300,8 @@ class VLLMEngine(RecordsInitArgs):
         return EngineCapabilities(
             encode_prompt=partial(
                 encode_prompt, prepend_bos=self.prepend_bos, chat_template=self.chat_template
-            )
+            ),
+            check_setup=partial(check_setup, self.chat_template),
         )
 
     def continue_turns(
