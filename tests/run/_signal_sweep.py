@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = [
     "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
     "--model.rollout.prompts_per_iteration", "4", "--model.rollout.samples_per_prompt", "2",
-    "--trainer.max_epochs", "4", "--trainer.enable_progress_bar", "false",
+    "--trainer.max_epochs", "6", "--trainer.enable_progress_bar", "false",
 ]  # fmt: skip
 #: The iteration (0-based) whose rollout end starts the timer.
 START = 1

@@ -44,5 +44,6 @@ def test_a_signal_anywhere_around_the_boundary_stops_the_run_resumably(tmp_path)
         last = checkpoints / "last.ckpt"
         verify_digest(str(last))  # raises for a file that disagrees with its digest
         assert torch.load(last, weights_only=True)["epoch"] == ran - 1, (point, log)
-    # The sweep did straddle the boundary: some runs stopped in iteration 1, some after it.
-    assert counted == {1, 2}, counted
+    # The sweep did straddle the boundary: some runs stopped in iteration 1, some after it (on
+    # a loaded machine a few points may fall past iteration 2 too: the run still has more).
+    assert {1, 2} <= counted, counted
