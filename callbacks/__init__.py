@@ -15,6 +15,7 @@ from lppo.callbacks.metrics_logger import PPOMetricsLogger
 from lppo.callbacks.optimizer_step import OptimizerStep
 from lppo.callbacks.progress import PPOProgress
 from lppo.callbacks.reward_plot import RewardCurve
+from lppo.callbacks.rollout_samples import RolloutSamples
 from lppo.callbacks.row_retention import RowRetention
 from lppo.callbacks.run_summary import RunSummary
 
@@ -27,6 +28,7 @@ __all__ = [
     "PPOMetricsLogger",
     "PPOProgress",
     "RewardCurve",
+    "RolloutSamples",
     "RowRetention",
     "RunSummary",
     "defaults",
@@ -52,15 +54,22 @@ def lifecycle(given: Sequence[Callback] = ()) -> list[Callback]:
 def defaults(given: Sequence[Callback] = (), checkpoints: bool = True) -> list[Callback]:
     """New built-in callbacks of a :class:`~lppo.PPOTrainer` run, in hook order.
 
-    Monitoring (metrics, reward curve, progress, summary), the per-iteration checkpoint,
-    then :func:`lifecycle` (last, so every other callback sees a step before it is taken and
-    the rows before they are released). The one place lppo's built-in callbacks are chosen.
+    Monitoring (metrics, reward curve, rollout samples, progress, summary), the per-iteration
+    checkpoint, then :func:`lifecycle` (last, so every other callback sees a step before it is
+    taken and the rows before they are released). The one place lppo's built-in callbacks are
+    chosen.
 
     Args:
         given: callbacks already chosen; a built-in of a type one of them has is left out.
         checkpoints: include the per-iteration checkpoint.
     """
-    monitoring: list[Callback] = [PPOMetricsLogger(), RewardCurve(), PPOProgress(), RunSummary()]
+    monitoring: list[Callback] = [
+        PPOMetricsLogger(),  # first: the others read the iteration's step on the run log
+        RewardCurve(),
+        RolloutSamples(),
+        PPOProgress(),
+        RunSummary(),
+    ]
     if checkpoints:
         monitoring.append(IterationCheckpoint())
     return [*_missing(monitoring, given), *lifecycle(given)]

@@ -42,9 +42,9 @@ class RunSummary(PPOCallback):
     response tokens generated (every rank's) and their rate over the wall time, and where
     the outputs are: each logger's folder and ``metrics.csv`` (for a
     :class:`~lightning.pytorch.loggers.CSVLogger`), the reward-curve PNG (the run log's
-    ``files``), and the checkpoint folder / best and last checkpoints of
-    ``trainer.checkpoint_callback``; with held-out evaluations in the run log,
-    ``evaluation`` holds each prefix's latest metrics.
+    ``files``), the rollout samples' folder (``files["samples"]``) and the checkpoint folder /
+    best and last checkpoints of ``trainer.checkpoint_callback``; with held-out evaluations in
+    the run log, ``evaluation`` holds each prefix's latest metrics.
 
     Rewards are collected from the ``IterationResult`` of each ``on_iteration_end`` and kept
     in :meth:`state_dict`.
@@ -156,6 +156,7 @@ class RunSummary(PPOCallback):
                 metrics_csv = metrics_csv or entry["metrics_csv"]
             loggers.append(entry)
         curve_path = _abs(run_log.files.get("reward_curve"))
+        samples = _abs(run_log.files.get("samples"))
         ckpt = trainer.checkpoint_callback
         checkpoints = None
         if ckpt is not None:
@@ -189,6 +190,7 @@ class RunSummary(PPOCallback):
             "metrics_csv": metrics_csv,
             "loggers": loggers,
             "reward_curve": curve_path,
+            "samples": samples,
             "checkpoints": checkpoints,
             "evaluation": evaluation or None,
         }
@@ -232,6 +234,8 @@ class RunSummary(PPOCallback):
             )
         if summary["reward_curve"]:
             lines.append(f"  reward curve    : {summary['reward_curve']}")
+        if summary.get("samples"):
+            lines.append(f"  samples         : {summary['samples']} (index.html: the viewer)")
         ckpt = summary["checkpoints"]
         if ckpt:
             lines.append(f"  checkpoints     : {ckpt['dirpath']}")

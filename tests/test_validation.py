@@ -24,7 +24,14 @@ from lppo.validation import SettingError, check_number
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-CALLBACKS = ["Evaluation", "HFExport", "IterationCheckpoint", "PPOProgress", "RunSummary"]
+CALLBACKS = [
+    "Evaluation",
+    "HFExport",
+    "IterationCheckpoint",
+    "PPOProgress",
+    "RolloutSamples",
+    "RunSummary",
+]
 NUMERIC = (int, float)
 
 #: A value outside each knob's range (by the knob's last name); non-finite values and (for
@@ -103,6 +110,9 @@ OUT_OF_RANGE: dict[str, str] = {
     "max_tokens_per_chunk": "0",
     "drop_budget": "-1",
     "every_n_iterations": "0",
+    "rows_per_iteration": "-1",
+    "max_tokens_per_row": "-1",
+    "page_iterations": "-1",
     "num_prompts": "0",
     "save_top_k": "-2",
     "refresh_seconds": "-1",

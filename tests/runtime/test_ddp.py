@@ -441,3 +441,8 @@ def test_cli_fit_on_two_processes(tmp_path):
     rows = read_metrics(run / "version_0" / "metrics.csv")
     assert any(row.get("actor/loss") for row in rows)
     assert "strategy: ppo_ddp" in (run / "version_0" / "config.yaml").read_text()
+    # rank zero samples its own rows: 2 prompts x 4 samples, the rows it trained (advantages)
+    samples = (run / "samples" / "iteration-0001.jsonl").read_text().splitlines()
+    sampled = [json.loads(line) for line in samples]
+    assert [r["prompt_index"] for r in sampled] == [0, 1, 0, 0]
+    assert all(r["advantage_mean"] is not None for r in sampled)
