@@ -51,6 +51,8 @@ class SamplingReport(Counts):
         first_reward_sum: sum of the finite task rewards of the first round's samples (the
             prompts a run without dynamic sampling draws), kept or dropped.
         first_samples: how many rewards that sum holds.
+        short_samples: the samples the short groups would have held (``short_groups ×
+            samples_per_prompt``): what an iteration left with no group loses.
     """
 
     uniform_groups: int = 0
@@ -60,6 +62,7 @@ class SamplingReport(Counts):
     nonfinite_groups: int = 0
     first_reward_sum: float = 0.0
     first_samples: int = 0
+    short_samples: int = 0
 
     def metrics(self) -> dict[str, float]:
         """The counts, and ``sampled_reward_mean``.
@@ -75,6 +78,7 @@ class SamplingReport(Counts):
             "short_groups": float(self.short_groups),
             "refills": float(self.refills),
             "nonfinite_groups": float(self.nonfinite_groups),
+            "short_samples": float(self.short_samples),
             "sampled_reward_mean": mean,
         }
 

@@ -39,7 +39,7 @@ from lppo.iteration.critic_targets import AdvantagePhase, FirstEpochTargets
 from lppo.iteration.data import ReplayDataModule
 from lppo.iteration.hooks import IterationContext, PPOCallback, abort_all
 from lppo.iteration.old_logprobs import FirstEpochLogprobs
-from lppo.iteration.planner import RowLayout
+from lppo.iteration.planner import RowLayout, check_untrained
 from lppo.iteration.score_phase import ScorePhase, rollout_stats
 from lppo.layouts.base import ParallelContext
 from lppo.modules import ActorModule, CriticModule, PPOModule
@@ -214,10 +214,13 @@ class PPOController:
         rows, stats, tokens = self._collect(ctx, rollout, generation)
         dropped = int(stats.dropped_rows)  # every rank's
         clock = _lap(seconds, "collect", clock)
-        if not rows.meta.ids and rollout.sampling is not None:
-            # Dynamic sampling dropped every group (all rewards equal): nothing to learn from.
-            empty = IterationResult(ctx.iteration, stats, [], seconds, tokens, {})
-            return self._release(ctx, empty, generation)
+        if rollout.sampling is not None:  # dynamic sampling: did it keep any group?
+            stats.extra["untrained"] = float(not rows.meta.ids)
+            if not rows.meta.ids:  # every group dropped (all rewards equal): samples lost
+                lost = int(stats.extra["short_samples"]) + dropped
+                check_untrained(lost, self.data.settings.drop_budget, ctx.iteration)
+                empty = IterationResult(ctx.iteration, stats, [], seconds, tokens, {})
+                return self._release(ctx, empty, generation)
 
         # 2. score (each rank its own valid rows; no collective, so chunk counts may differ)
         ctx.phase = "score"

@@ -19,6 +19,7 @@ Without owners (every rank can read every row) the step's chunks are dealt round
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,37 @@ class DropBudgetExceeded(RuntimeError):
 
 class NoValidRows(RuntimeError):
     """An iteration has no row with a valid token: nothing can be trained."""
+
+
+def check_untrained(lost: int, budget: int, iteration: int) -> None:
+    """An iteration dynamic sampling left with no group: its ``lost`` samples vs the budget.
+
+    Every group's rewards were equal, so the iteration trains nothing. Its samples (the
+    groups it would have trained, ``prompts_per_iteration × samples_per_prompt``, plus
+    samples lost before the store) count against ``data.drop_budget`` like any lost sample:
+    past it the iteration fails (a failed iteration, counted by
+    ``model.ppo.max_failed_iterations``); within it the iteration is warned about and logged
+    (``rollout/untrained``).
+
+    Raises:
+        DropBudgetExceeded: ``lost`` exceeds ``budget``.
+    """
+    what = (
+        "dynamic sampling kept no prompt group (every group's rewards were equal), so the "
+        f"iteration trains nothing; its {lost} samples count as lost"
+    )
+    if lost > budget:
+        raise DropBudgetExceeded(
+            f"{what} and exceed data.drop_budget={budget}. Give the task rewards that differ "
+            "within a group (another task or threshold, more model.rollout.samples_per_prompt "
+            "or model.rollout.dynamic_sampling_rounds); to skip such iterations raise "
+            f"data.drop_budget to {lost} or model.ppo.max_failed_iterations."
+        )
+    warnings.warn(
+        f"{iteration_label(iteration)}: {what} (within data.drop_budget={budget}).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ under every group-relative estimator: it costs a training pass and teaches nothi
 ``model.rollout.dynamic_sampling_rounds: N`` such groups are dropped and each prompt block
 refills itself from its own reserve, one extra block of fresh prompts per round, until it
 holds as many informative groups as it has prompts, or its ``N`` refill rounds are spent
-(then the iteration trains on what there is; counted as ``short_groups``).
+(then the iteration trains on what there is; counted as ``short_groups``). An iteration left
+with no group trains nothing: its samples count as lost against ``data.drop_budget``
+(:func:`lppo.iteration.planner.check_untrained`).
 
 Why per block: a block is the unit ranks split and its samples depend only on its seed, so a
 block's kept groups never depend on which rank generates it or on another block. The rows
@@ -118,6 +120,7 @@ def generate_dynamic(
                 still.append((i, blocks[i].refills[round_]))
             elif need[i] > 0:
                 report.short_groups += need[i]
+                report.short_samples += need[i] * samples_per_prompt
         pending = still
     parts = [part for block_parts in kept for part in block_parts]
     output = concat_outputs([o for o, _ in parts])

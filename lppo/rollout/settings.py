@@ -55,7 +55,9 @@ class RolloutSettings:
             ``(N + 1) × prompts_per_iteration`` prompts per iteration. Refills are whole
             blocks: a small ``prompts_per_block`` wastes fewer samples. An iteration left with
             fewer valid rows than ``*_minibatches`` takes one step per row; one left with none
-            trains nothing (logged, not failed).
+            trains nothing, and its samples count as lost against ``data.drop_budget``: past
+            it the iteration fails (``model.ppo.max_failed_iterations`` may skip it), within
+            it it is warned about and logged (``rollout/untrained``).
     """
 
     prompts_per_iteration: int = 32

@@ -130,12 +130,13 @@ def fit(
     ray: Any = None,
     rollout: dict[str, Any] | None = None,
     precision: str = "32-true",
+    data: dict[str, Any] | None = None,
     **ppo: Any,
 ) -> tuple[PPOTrainer, PPOSystem]:
     """A small GAE run with lag ``staleness`` (1 torch thread: the child matches it).
 
     ``store`` is the replay store (``None``: in-process), ``ray`` the trainer's Ray settings,
-    ``rollout`` further ``model.rollout`` settings.
+    ``rollout`` further ``model.rollout`` settings, ``data`` further ``data`` settings.
     """
     system = PPOSystem(
         actor=ActorModule(spec(0), lr=3e-3),
@@ -160,8 +161,8 @@ def fit(
         ray=ray if ray is not None else RaySettings(),
         precision=precision,
     )
-    data = ReplayDataModule(max_tokens_per_chunk=40, store=store)
-    trainer.fit(system, datamodule=data, ckpt_path=ckpt_path)
+    module = ReplayDataModule(max_tokens_per_chunk=40, store=store, **(data or {}))
+    trainer.fit(system, datamodule=module, ckpt_path=ckpt_path)
     return trainer, system
 
 

@@ -11,6 +11,7 @@ import torch
 from _async_helpers import assert_same, fit, params
 from _builders import ThresholdCopyTask
 
+from lppo.errors import IterationError
 from lppo.iteration.hooks import PPOCallback
 from lppo.rollout import InlineRunner, ProcessRunner, RolloutSettings
 from lppo.rollout.dynamic_sampling import informative_rows
@@ -137,12 +138,35 @@ def test_settings_that_cannot_work_fail_at_setup():
         RolloutSettings(dynamic_sampling_rounds=-1)
 
 
-def test_an_iteration_with_no_informative_group_trains_nothing_and_goes_on(tmp_path):
-    """Every sample fails (threshold above the best reward): every group is dropped, every
-    refill spent; each iteration is logged, trains no step, and leaves no row behind."""
+NO_SIGNAL = ThresholdCopyTask(threshold=1.01)  # every sample fails: every group is uniform
+ALL_SAMPLES = PROMPTS * 3  # what an iteration that keeps no group loses
+
+
+def test_an_iteration_with_no_informative_group_fails_at_drop_budget_0(tmp_path):
+    """Every group dropped, every refill spent: its samples are lost, so at the default
+    ``data.drop_budget: 0`` the iteration fails (no step, no row left behind)."""
     groups = Groups()
-    trainer, system = fit(tmp_path, 3, 0, InlineRunner(), ThresholdCopyTask(threshold=1.01),
-                          (groups,), rollout=BLOCKS)  # fmt: skip
+    refused = r"phase collect: DropBudgetExceeded: dynamic sampling kept no prompt group.* its 12"
+    with pytest.raises(IterationError, match=refused + r" samples .*drop_budget=0"):
+        fit(tmp_path, 3, 0, InlineRunner(), NO_SIGNAL, (groups,), rollout=BLOCKS)
+    assert groups.groups == {0: {}}
+
+
+def test_a_failed_empty_iteration_counts_against_max_failed_iterations(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"iteration 2 skipped \(2 of model.ppo.max_failed"):
+        trainer, system = fit(tmp_path, 2, 0, InlineRunner(), NO_SIGNAL, rollout=BLOCKS,
+                              max_failed_iterations=2)  # fmt: skip
+    assert trainer.global_step == 0 and system.run_log.failed == 2
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        assert [r["iteration/failed_total"] for r in csv.DictReader(f)] == ["1", "2"]
+
+
+def test_within_the_drop_budget_an_empty_iteration_trains_nothing_and_is_logged(tmp_path):
+    """A budget that covers the iteration's samples: warned, logged, and the run goes on."""
+    groups = Groups()
+    with pytest.warns(RuntimeWarning, match=r"iteration 3: dynamic sampling kept no prompt"):
+        trainer, system = fit(tmp_path, 3, 0, InlineRunner(), NO_SIGNAL, (groups,),
+                              rollout=BLOCKS, data={"drop_budget": ALL_SAMPLES})  # fmt: skip
     assert trainer.global_step == 0 and system.run_log.failed == 0
     assert groups.groups == {0: {}, 1: {}, 2: {}}
     assert len(trainer.datamodule.store) == 0
@@ -153,6 +177,18 @@ def test_an_iteration_with_no_informative_group_trains_nothing_and_goes_on(tmp_p
             "short_groups": PROMPTS,
             "refills": 2 * PROMPTS,
         }
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/untrained")]
+    assert [(r["rollout/untrained"], r["rollout/short_samples"]) for r in rows] == [
+        ("1.0", f"{ALL_SAMPLES}.0")
+    ] * 3
+
+
+def test_an_iteration_that_keeps_a_group_is_logged_as_trained(tmp_path):
+    fit(tmp_path, 2, 0, InlineRunner(), ThresholdCopyTask(threshold=0.5), rollout=BLOCKS)
+    with open(next(tmp_path.glob("version_*/metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/untrained")]
+    assert [r["rollout/untrained"] for r in rows] == ["0.0", "0.0"]
 
 
 def test_fixed_rows_per_rank_is_refused_at_setup(tmp_path):
