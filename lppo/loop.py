@@ -74,8 +74,9 @@ class PPOFitLoop(_FitLoop):
         system: Any = self.trainer.lightning_module
         try:
             result = system.run_iteration(self.epoch_progress.current.processed)
-        except BaseException:
+        except BaseException as error:
             interrupts.release()  # a signal held meanwhile wins: the run stops interrupted
+            interrupts.replace_if_interrupted(error)  # e.g. Ray's SystemExit(1) for our signal
             raise
         progress = self.epoch_loop.manual_optimization.optim_step_progress
         for stats in result.phase_steps("actor"):

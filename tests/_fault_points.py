@@ -1,22 +1,24 @@
 """Fault points that stop a real ``lppo fit`` at a chosen place, for the SIGKILL tests.
 
 Each writes a ``marker`` file and then sleeps forever, so the test can kill the process exactly
-there: :class:`PauseAt` in the trainer's iteration and checkpoint hooks, and
+there: :class:`PauseAt` in the trainer's iteration and checkpoint hooks,
 :class:`PausingDatasetTask` inside the rollout scheduler's publication (the trainer draws the
 prompts of the iteration it admits) or inside the background rollout process's generation (the
-reward of an admitted iteration's samples).
+reward of an admitted iteration's samples), and :class:`PausingCopyTask` inside a Ray rollout
+worker's reward (the trainer then waits in ``ray.get``).
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import sys
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lppo.iteration.hooks import PPOCallback
-from lppo.tasks import DatasetTask
+from lppo.tasks import CopyTask, DatasetTask
 from lppo.tasks.verifiers import Verifier
 
 
@@ -136,4 +138,37 @@ class PausingDatasetTask(DatasetTask):
         if in_child and self.pause_where == "generate" and self.rewarded == self.pause_at:
             pause_forever(self.marker)
         self.rewarded += 1
+        return super().rewards(prompts, completions)
+
+
+class PausingCopyTask(CopyTask):
+    """The copy task whose reward pauses forever inside Ray rollout workers.
+
+    Every reward call made in a Ray actor appends a line to ``<marker>.calls`` (the workers
+    get a fresh copy of the task each rollout, so the count lives in that file); from the
+    call that finds more than ``pause_at`` lines there on, the worker pauses. With 2 workers
+    and one block, iteration ``k``'s parts are calls ``2k`` and ``2k + 1``.
+
+    Args:
+        marker: file written when the point is reached (``""``: never pause).
+        pause_at: calls that go through before the workers pause.
+        **kwargs: see :class:`~lppo.tasks.CopyTask`.
+    """
+
+    #: The pause is no setting of the run: a resumed run drops it.
+    resume_safe: ClassVar[tuple[str, ...]] = ("pause_at", "marker")
+
+    def __init__(self, marker: str = "", pause_at: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.marker, self.pause_at = marker, pause_at
+
+    def rewards(self, prompts: list[Any], completions: list[str]) -> list[float]:
+        """Reward as the copy task does; a Ray worker pauses from the ``pause_at``-th call."""
+        ray = sys.modules.get("ray")
+        if self.marker and ray is not None and ray.get_runtime_context().get_actor_id():
+            calls = Path(f"{self.marker}.calls")
+            with calls.open("a") as f:
+                f.write("call\n")
+            if len(calls.read_text().splitlines()) > self.pause_at:
+                pause_forever(self.marker)
         return super().rewards(prompts, completions)

@@ -8,7 +8,10 @@ path: the iteration is aborted (no optimizer step open, rows released, by the ab
 callback), the summary and the reward curve are written marked ``interrupted``, services lppo
 started are stopped, and the process exits with ``128 + signal`` (143 for SIGTERM, 130 for
 SIGINT), the code a scheduler reads as "killed by a signal". The last iteration-boundary
-checkpoint is kept (none is written mid-iteration), so ``--ckpt_path last`` resumes bitwise.
+checkpoint is kept (none is written mid-iteration), so ``--ckpt_path last`` resumes bitwise. A
+library that turns the exception into its own (``ray.get`` raises ``SystemExit(1)``) changes
+nothing: the fit loop raises the signal's exception in its place
+(:func:`replace_if_interrupted`).
 
 A signal that arrives at an iteration's boundary, from the moment the iteration is counted
 (``on_iteration_end``) until its checkpoint is written (:func:`hold` ... :func:`release`), is
@@ -26,7 +29,15 @@ import signal
 import threading
 from types import FrameType
 
-__all__ = ["SIGNALS", "RunInterrupted", "hold", "install", "raise_if_interrupted", "release"]
+__all__ = [
+    "SIGNALS",
+    "RunInterrupted",
+    "hold",
+    "install",
+    "raise_if_interrupted",
+    "release",
+    "replace_if_interrupted",
+]
 
 #: The signals a run turns into :class:`RunInterrupted`.
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -95,6 +106,21 @@ def raise_if_interrupted() -> None:
     held = _State.holding
     if _State.received is not None and signal.getsignal(signal.SIGTERM) is _exit_now and not held:
         raise _State.received
+
+
+def replace_if_interrupted(error: BaseException) -> None:
+    """Raise the received signal's :class:`RunInterrupted` in place of ``error``.
+
+    A library may turn the exception the signal handler raised inside it into its own:
+    ``ray.get`` ends a wait that a handler interrupted with ``SystemExit(1)`` (and a
+    ``KeyboardInterrupt``), which would exit 1 ``failed``. Whatever ends the run after a signal
+    arrived, the run stops interrupted (``error`` is kept as the cause). Does nothing while a
+    held signal waits for :func:`release`, or when no signal arrived.
+    """
+    received = _State.received
+    if received is None or _State.holding or error is received:
+        return
+    raise RunInterrupted(received.signum) from error
 
 
 def _exit_now(signum: int, frame: FrameType | None) -> None:

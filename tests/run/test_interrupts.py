@@ -137,17 +137,29 @@ def test_a_signal_stops_the_run_resumably(tmp_path, straight_tiny_fit, sig, poin
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigterm_is_the_same_with_transfer_queue_and_ray_workers(tmp_path):
+@pytest.mark.parametrize("where", ["critic", "ray.get"])
+def test_sigterm_is_the_same_with_transfer_queue_and_ray_workers(tmp_path, where):
     """configs/ray_workers.yaml: Ray rollout workers putting rows into TransferQueue. Ray
-    makes SIGTERM exit its driver at once (``sys.exit(15)``); lppo keeps its own handling."""
+    makes SIGTERM exit its driver at once (``sys.exit(15)``), and a signal that lands while
+    the trainer waits for the workers in ``ray.get`` (iteration 1's reward pauses in the
+    workers) comes out of it as ``SystemExit(1)``; lppo keeps its own handling."""
     marker = tmp_path / "reached"
-    cmd = lppo_fit(tmp_path, *pause_args("critic:1", marker))
+    if where == "critic":
+        pause = pause_args("critic:1", marker)
+    else:
+        task = "--model.task.init_args"
+        pause = ["--model.task.class_path", "_fault_points.PausingCopyTask",
+                 f"{task}.marker={marker}", f"{task}.pause_at=2"]  # fmt: skip
+    cmd = lppo_fit(tmp_path, *pause)
     cmd[cmd.index("--config") + 1] = str(ROOT / "configs" / "ray_workers.yaml")
     run = pause_then_signal(cmd, marker, signal.SIGTERM)
     assert run.returncode == 143, run.stderr.decode()[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["status"], summary["iterations"]) == ("interrupted", 1)
-    resume = cmd[: cmd.index("--trainer.callbacks+=_fault_points.PauseAt")]
+    assert summary["reason"] == "interrupted by SIGTERM"
+    resume = cmd[: cmd.index(pause[0])]
+    if where != "critic":  # the same task, without the pause (resume-safe)
+        resume += ["--model.task.class_path", "_fault_points.PausingCopyTask"]
     resumed = subprocess.run(
         [*resume, "--ckpt_path", "last"], env=env(), capture_output=True, timeout=900
     )
