@@ -29,14 +29,14 @@ from typing import Any
 import torch
 
 from lppo.algorithms.off_policy import OffPolicyCorrection
-from lppo.errors import IterationError
+from lppo.errors import IterationError, SetupError
 from lppo.replay.rollout_rows import StoredRollout
 from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.jobs import GeneratedRollout, RolloutJob, Weights, snapshot
 from lppo.rollout.process_runner import ProcessRunner
 from lppo.rollout.runners import InlineRunner, RolloutProcessError, RolloutRunner, ThreadRunner
-from lppo.rollout.source import RolloutSource
+from lppo.rollout.source import RolloutSource, StaleWeightsError
 from lppo.types import POLICY_VERSION, GenerationReport, Rollout, iteration_label
 from lppo.validation import SettingError
 
@@ -119,19 +119,21 @@ class RolloutPipeline:
                 the message names the iteration and the cause.
         """
         label = f"{iteration_label(iteration)}, phase rollout"
+        try:
+            job = self._job(iteration)
+        except RolloutProcessError as error:
+            raise IterationError(f"{label}: {error}") from error
         clock = time.monotonic()
         try:
-            if not self._started:
-                self._start(iteration)
-            elif self.staleness == 0:
-                self._admit(iteration)
-            job = self.pending.pop(iteration, None)
-            if job is None:
-                raise RolloutProcessError(f"it was never admitted (admitted: {self._admitted()})")
-            clock = time.monotonic()
             generated = self.runner.result(job)
         except RolloutProcessError as error:
             raise IterationError(f"{label}: {error}") from error
+        except (IterationError, SetupError, StaleWeightsError):  # the source's; mistakes to fix
+            raise
+        except Exception as error:
+            # The engine failed in this process (the inline runner): a failed iteration,
+            # counted by model.ppo.max_failed_iterations like one whose generator failed.
+            raise IterationError(f"{label}: {type(error).__name__}: {error}") from error
         if generated.rollout is None:
             raise IterationError(f"{label}: the generator failed: {generated.error}")
         rows = generated.rollout
@@ -139,6 +141,21 @@ class RolloutPipeline:
             rows = self.source.put(rows, iteration)
         waited = time.monotonic() - clock
         return rows, self._report(rows, job, generated, clock, waited)
+
+    def _job(self, iteration: int) -> RolloutJob:
+        """``iteration``'s admitted job (admitting it first when its turn has come).
+
+        Raises:
+            RolloutProcessError: it was never admitted.
+        """
+        if not self._started:
+            self._start(iteration)
+        elif self.staleness == 0:
+            self._admit(iteration)
+        job = self.pending.pop(iteration, None)
+        if job is None:
+            raise RolloutProcessError(f"it was never admitted (admitted: {self._admitted()})")
+        return job
 
     def publish(self, iteration: int) -> None:
         """``iteration`` ended: advance the version (after an actor phase), admit the next."""

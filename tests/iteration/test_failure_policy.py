@@ -14,6 +14,7 @@ from test_resume import assert_same, fit, params
 from lppo.config import PPOConfig
 from lppo.errors import IterationError
 from lppo.iteration.hooks import PPOCallback
+from lppo.rollout import HFGenerateEngine
 from lppo.validation import SettingError
 
 
@@ -139,3 +140,33 @@ def test_a_failed_iteration_reaches_on_iteration_end(tmp_path):
     with pytest.raises(IterationError, match="iteration 2, phase critic"):
         fit(tmp_path / "stop", 3, callbacks=[FailIn("critic", (1,)), fatal])
     assert [(i, bool(f)) for i, f in fatal.seen] == [(0, False), (1, True)]
+
+
+class FailingEngine(HFGenerateEngine):
+    """The Hugging Face engine, raising in its ``fail_at``-th ``generate`` call (0-based)."""
+
+    resume_safe = ()
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.calls = fail_at, 0
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError("the engine broke")
+        return super().generate(*args, **kwargs)
+
+
+def test_an_engine_failure_is_a_failed_iteration_counted_by_the_policy(tmp_path):
+    """An engine that raises in iteration 2's rollout: skipped within the budget (warned,
+    logged, counted), and fails the run as an IterationError naming the phase without one."""
+    outcomes = Outcomes()
+    with pytest.warns(RuntimeWarning, match=r"iteration 2 skipped \(1 of .*phase rollout: "
+                      r"RuntimeError: the engine broke"):  # fmt: skip
+        trainer, system = fit(tmp_path / "skip", 3, engine=FailingEngine(1),
+                              callbacks=[outcomes], max_failed_iterations=1)  # fmt: skip
+    assert system.failures.failed == 1 and trainer.current_epoch == 3
+    assert [(i, bool(f)) for i, f in outcomes.seen] == [(0, False), (1, True), (2, False)]
+    with pytest.raises(IterationError, match=r"iteration 2, phase rollout: RuntimeError: the en"):
+        fit(tmp_path / "stop", 3, engine=FailingEngine(1))
