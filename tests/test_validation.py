@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,20 @@ def test_yaml_spellings_reach_the_check(tmp_path: Path, spelling: str, expected:
     config.write_text(f"model:\n  actor:\n    init_args:\n      lr: {spelling}\n")
     with pytest.raises(SettingError, match=rf"model\.actor\.init_args\.lr=.*{expected}"):
         build(ROOT / "configs" / "tiny.yaml", "--config", str(config), tmp=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("model.actor.init_args.lr", "1e300"), ("model.critic.init_args.lr", "1e30")],
+)
+def test_a_learning_rate_above_1_is_refused_at_setup(tmp_path: Path, key: str, value: str) -> None:
+    """Finite but absurd: one AdamW step would wreck the weights (the first iteration then
+    failed with a float overflow or NaN gradients, naming neither the key nor the fix)."""
+    pattern = rf"{re.escape(key)}=1e\+{value[2:]} is out of range; .* in \(0, 1\]\. Typical: 1e-6"
+    with pytest.raises(ValueError, match=pattern):  # a SettingError (the critic's in a Union's)
+        build(ROOT / "configs" / "tiny.yaml", f"--{key}", value, tmp=tmp_path)
+    cli = build(ROOT / "configs" / "tiny.yaml", f"--{key}", "1", tmp=tmp_path)  # the bound
+    assert (cli.model.actor if "actor" in key else cli.model.critic).lr == 1
 
 
 def test_yaml_scientific_notation_without_a_dot_is_a_number(tmp_path: Path) -> None:

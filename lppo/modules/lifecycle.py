@@ -57,7 +57,8 @@ class PPOModule(RecordsInitArgs, nn.Module):
             length), so the two can never disagree.
 
     Args:
-        lr: learning rate of the default AdamW optimizer.
+        lr: learning rate of the default AdamW optimizer, in ``(0, 1]`` (typical: 1e-6 to
+            1e-3; a step moves each weight by about ``lr``, so a larger one is refused).
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         eps: AdamW epsilon.
@@ -98,7 +99,8 @@ class PPOModule(RecordsInitArgs, nn.Module):
     ) -> None:
         super().__init__()
         key = self.config_key
-        check_number(f"{key}.lr", lr, low=0, low_open=True, fix="Typical: 1e-6 to 1e-3.")
+        fix = "Typical: 1e-6 to 1e-3 (an AdamW step moves each weight by about lr)."
+        check_number(f"{key}.lr", lr, low=0, low_open=True, high=1, fix=fix)
         check_number(f"{key}.weight_decay", weight_decay, low=0)
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise SettingError(f"{key}.betas={betas!r} must be two numbers, e.g. [0.9, 0.999].")
