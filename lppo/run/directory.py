@@ -9,9 +9,10 @@ error naming the folder; ``--ckpt_path auto`` resumes when ``last.ckpt`` exists 
 fresh run otherwise. A run resumed from a named file continues in the directory given, and its
 checkpoints replace the ones there of the same name (``last.ckpt`` is never versioned).
 
-While a run is in progress its directory is locked (``<root>/.lppo.lock``, an advisory
-``flock`` the kernel drops when the process dies, even by ``kill -9``): a second ``lppo fit``
-into it is refused with the process holding it.
+While a run is in progress its directory is locked (an advisory ``flock`` on the directory
+itself and on ``<root>/.lppo.lock``, which names the holder; the kernel drops both when the
+process dies, even by ``kill -9``): a second ``lppo fit`` into it is refused with the process
+holding it, even after ``.lppo.lock`` was deleted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import shutil
 import socket
 import sys
 import time
-from typing import IO
+from typing import IO, Literal
 
 from lppo.errors import SetupError
 from lppo.run.checkpointing import CheckpointError
@@ -62,34 +63,52 @@ class RunDirectory:
         self.root = os.path.realpath(root)
         self.checkpoints = os.path.realpath(checkpoints) if checkpoints else None
         self._lock: IO[str] | None = None
+        self._directory_lock: int | None = None
 
     # ------------------------------------------------------------------ lock
     def lock(self) -> None:
         """Take the directory's lock for this process, or refuse naming its holder.
 
+        Two ``flock``s, both held for the whole run: one on the directory itself (it cannot be
+        deleted from under the run, unlike a file: a run whose ``.lppo.lock`` was deleted
+        still holds it) and one on ``.lppo.lock``, which also names the holder (and is the
+        lock where a file system refuses to lock a directory, e.g. NFS).
+
         Raises:
             RunDirectoryError: another live process holds the lock.
         """
         os.makedirs(self.root, exist_ok=True)
-        path = os.path.join(self.root, LOCK_NAME)
-        handle = open(path, "a+")  # held open (and locked) for the whole run
+        directory = _lock_directory(self.root)
+        if directory is False:
+            raise self._in_use()
+        handle = open(os.path.join(self.root, LOCK_NAME), "a+")  # held open (and locked)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
             handle.close()
-            raise RunDirectoryError(
-                f"run directory {self.root!r} is in use by {holder}; wait for that run to end "
-                "(or stop it), or choose another --trainer.default_root_dir."
-            ) from None
+            if directory is not None:
+                os.close(directory)
+            raise self._in_use() from None
         handle.seek(0)
         handle.truncate()
         argv = " ".join(sys.argv)[:200]
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} ({argv}), since {started}\n")
         handle.flush()
-        self._lock = handle
+        self._lock, self._directory_lock = handle, directory
+
+    def _in_use(self) -> RunDirectoryError:
+        """The refusal, naming the holder as its ``.lppo.lock`` says (when it still exists)."""
+        try:
+            with open(os.path.join(self.root, LOCK_NAME)) as info:
+                holder = info.read().strip()
+        except OSError:
+            holder = ""
+        holder = holder or f"another process (its {LOCK_NAME} was deleted)"
+        return RunDirectoryError(
+            f"run directory {self.root!r} is in use by {holder}; wait for that run to end "
+            "(or stop it), or choose another --trainer.default_root_dir."
+        )
 
     def unlock(self) -> None:
         """Release the lock (also released by the kernel when the process ends)."""
@@ -97,6 +116,9 @@ class RunDirectory:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
             self._lock = None
+        if self._directory_lock is not None:
+            os.close(self._directory_lock)  # closing the last descriptor drops its flock
+            self._directory_lock = None
 
     # ------------------------------------------------------------------ checkpoints
     def existing_checkpoints(self) -> list[str]:
@@ -183,3 +205,23 @@ class RunDirectory:
 
 def _count_files(folder: str) -> int:
     return sum(len(names) for _, _, names in os.walk(folder))
+
+
+def _lock_directory(root: str) -> int | Literal[False] | None:
+    """``flock`` the directory ``root`` itself: its descriptor, held for the run.
+
+    Returns:
+        The descriptor; ``False`` when another process holds the lock; ``None`` where the
+        file system cannot lock a directory (NFS emulates ``flock`` with write locks, which a
+        directory opened read-only cannot take): the ``.lppo.lock`` file's lock stands alone.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    except OSError:  # EBADF / ENOLCK / EOPNOTSUPP: no directory locks here
+        os.close(fd)
+        return None
+    return fd

@@ -72,6 +72,21 @@ def test_the_lock_refuses_a_second_process_naming_the_first(tmp_path):
     directory.unlock()
 
 
+def test_the_lock_survives_the_deletion_of_its_file(tmp_path):
+    """The directory itself is locked: a deleted ``.lppo.lock`` opens nothing."""
+    holder = RunDirectory(str(tmp_path), None)
+    holder.lock()
+    try:
+        (tmp_path / ".lppo.lock").unlink()
+        with pytest.raises(RunDirectoryError, match=r"in use by another process \(its .lppo"):
+            RunDirectory(str(tmp_path), None).lock()
+    finally:
+        holder.unlock()
+    directory = RunDirectory(str(tmp_path), None)
+    directory.lock()  # released: free again
+    directory.unlock()
+
+
 def env_here() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
@@ -187,6 +202,31 @@ def test_a_second_fit_into_a_directory_in_use_is_refused_and_keeps_its_checkpoin
         assert all(p.exists() for p in temporaries)
         last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
         assert last["epoch"] == 0
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+@pytest.mark.slow
+def test_a_second_fit_is_refused_after_the_lock_file_of_a_running_one_was_deleted(tmp_path):
+    marker = tmp_path.parent / f"{tmp_path.name}.reached"
+    pause = ["--trainer.callbacks+=_fault_points.PauseAt", "--trainer.callbacks.point=critic:1",
+             f"--trainer.callbacks.marker={marker}"]  # fmt: skip
+    first = subprocess.Popen(lppo_fit(tmp_path, *pause), env=env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        (tmp_path / ".lppo.lock").unlink()
+        for ckpt_path in ("auto", "last"):
+            second = fit(tmp_path, "--ckpt_path", ckpt_path)
+            assert second.returncode == 1, second.stderr.decode()[-2000:]
+            assert "is in use by another process (its .lppo.lock was deleted)" in (
+                second.stderr.decode()
+            )
+        assert first.poll() is None  # untouched
     finally:
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
