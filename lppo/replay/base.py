@@ -30,6 +30,9 @@ Rules every backend follows (the conformance suite in ``tests/replay`` checks th
   services it started itself); ``ReplayDataModule`` calls it at the end of fit and on failure.
   It is idempotent and the store stays usable (a later call reconnects).
 
+* ``ray_cpus`` (optional attribute, read by :func:`ray_cpus_of`): the logical Ray CPUs the
+  services the store starts reserve; the run plan counts them against ``trainer.ray.num_cpus``.
+
 ``ReplayStore`` holds exactly what lppo calls. ``InspectableStore`` is the optional rest, for
 tests and benchmarks: ``columns``, ``has``, ``claimed``, ``clear``, ``nbytes`` and ``len``.
 """
@@ -43,6 +46,11 @@ import torch
 
 from lppo.parallel import ProcessGroup
 from lppo.types import RowMeta
+
+
+def ray_cpus_of(store: object) -> int:
+    """The logical Ray CPUs ``store``'s services reserve (its optional ``ray_cpus``; else 0)."""
+    return int(getattr(store, "ray_cpus", 0))
 
 
 class ReplayError(Exception):

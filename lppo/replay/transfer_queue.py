@@ -106,6 +106,11 @@ class TransferQueueReplayStore(TQClient):
         self._catalog: Any = None
         self._owner = True  # the original drops the partition at close; pickled copies don't
 
+    @property
+    def ray_cpus(self) -> int:
+        """Logical Ray CPUs TransferQueue reserves: one per storage unit, one for its controller."""
+        return self.num_storage_units + 1
+
     # ------------------------------------------------------------------ lifecycle
     def __getstate__(self) -> dict[str, Any]:
         keep = ("partition", "num_storage_units", "timeout_s")

@@ -46,6 +46,9 @@ class EngineCapabilities:
             (``None``: nothing to check).
         encode_prompt: ``(tokenizer, text) -> ids``: a prompt's token ids as the engine will
             encode them, known before its setup (``None``: the engine cannot tell).
+        ray_cpus: logical Ray CPUs the engine's workers reserve once set up; every copy a
+            runner sets up (asynchronous rollouts) reserves as many again. The run plan counts
+            them against ``trainer.ray.num_cpus``.
     """
 
     generates_elsewhere: bool = False
@@ -58,6 +61,7 @@ class EngineCapabilities:
     multi_turn: bool = False
     check_setup: Callable[[Any, Task, RolloutSettings], None] | None = None
     encode_prompt: Callable[[Any, str], list[int]] | None = None
+    ray_cpus: int = 0
 
 
 @runtime_checkable

@@ -9,7 +9,9 @@ and decides, in this order:
    rank, failure budget × data parallelism, overlong shaping × response length) and the
    engine's own setup check against the task and tokenizer (a multi-turn opening ×
    ``max_tokens``, a tool environment × template, EOS and vocabulary);
-2. the runner (``model.runner: null``) from the staleness and the engine's capabilities;
+2. the runner (``model.runner: null``) from the staleness and the engine's capabilities, and
+   the Ray CPUs the run's actors take (each set of rollout workers, the store's services)
+   against a local Ray's ``trainer.ray.num_cpus``;
 3. the producer of each column: old values (score phase or the critic's first epoch) and π_old
    (the actor's first epoch, the engine, or a separate pass), at the run's final dtype; then
    every column a phase reads must have a writer;
@@ -44,10 +46,12 @@ from lppo.iteration.data_settings import DataSettings
 from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.layouts.base import ParallelContext
 from lppo.modules import ActorModule, CriticModule
+from lppo.replay.base import ReplayStore, ray_cpus_of
 from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
 from lppo.rollout.pipeline import default_runner, stale_correction
 from lppo.rollout.runners import RolloutRunner
+from lppo.runtime.ray_runtime import RaySettings, local_ray_cpus
 from lppo.tasks.base import Task
 from lppo.types import OLD_LOGPROBS, PROMPT_INDEX, REF_LOGPROBS
 from lppo.validation import SettingError
@@ -77,6 +81,8 @@ class RunParts:
         strategy: the trainer's strategy class name (a fact, recorded).
         task: ``model.task`` (``None``: a plan without a run; the engine's setup check skipped).
         tokenizer: the run's tokenizer.
+        store: the replay store (its Ray services are counted against ``ray``).
+        ray: ``trainer.ray`` (``None``: the default settings).
     """
 
     actor: ActorModule
@@ -93,6 +99,8 @@ class RunParts:
     strategy: str = "SingleDeviceStrategy"
     task: Task | None = None
     tokenizer: Any = None
+    store: ReplayStore | None = None
+    ray: RaySettings | None = None
 
 
 @dataclass
@@ -124,6 +132,7 @@ class RunPlan:
         """
         _check_rules(parts)
         runner = _runner(parts)
+        _check_ray_cpus(parts, runner)
         layout = parts.parallel.layout
         ppo = resolve_columns(parts.ppo, parts.estimator, parts.actor, parts.critic, parts)
         parts.actor.off_policy = _off_policy(parts, ppo)
@@ -311,6 +320,36 @@ def _runner(parts: RunParts) -> RolloutRunner:
         why = "generates in the trainer" if not r.max_staleness else "generates ahead"
         note("model.runner", name, f"model.rollout.max_staleness={r.max_staleness}: {why}")
     return runner
+
+
+def _check_ray_cpus(parts: RunParts, runner: RolloutRunner) -> None:
+    """What this run starts on a local Ray fits its ``trainer.ray.num_cpus``.
+
+    Ray waits for an actor it cannot place (the workers' start then times out, minutes
+    later), so the count is made before anything starts: the store's services and each set
+    of rollout workers (a second set drives asynchronous rollouts, or any runner that
+    generates on its own copy of the engine). An attached cluster (or a Ray already running
+    in this process) is checked by the engine when its workers start.
+    """
+    total = local_ray_cpus(parts.ray)
+    per_set, store = capabilities_of(parts.engine).ray_cpus, ray_cpus_of(parts.store)
+    if total is None or not per_set:
+        return
+    s = parts.rollout.max_staleness
+    sets = 2 if s or not runner.live_weights else 1
+    need = store + sets * per_set
+    if need <= total:
+        return
+    second = f" x 2 (model.rollout.max_staleness={s}: {type(runner).__name__} drives a second set)"
+    raise SettingError(
+        f"trainer.ray.num_cpus={total} cannot place this run's Ray actors: "
+        f"{type(parts.engine).__name__}'s workers take {per_set} logical CPUs"
+        f"{second if sets == 2 else ''}, the replay store's services {store}: {need} in all; "
+        f"Ray would wait for them until the workers' start times out. Raise "
+        f"trainer.ray.num_cpus to {need} (logical CPUs, not cores), or use fewer workers "
+        "(model.engine.init_args.num_workers)"
+        + (", or set model.rollout.max_staleness: 0." if sets == 2 else ".")
+    )
 
 
 def _off_policy(parts: RunParts, ppo: PPOConfig) -> OffPolicyCorrection:

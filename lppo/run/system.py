@@ -176,7 +176,6 @@ class PPOSystem(LightningModule):
 
     def _parts(self, trainer: Any, parallel: ParallelContext, data: ReplayDataModule) -> RunParts:
         """What the run plan decides for."""
-        strategy = type(trainer.strategy).__name__ if trainer is not None else "none"
         return RunParts(
             actor=self.actor,
             critic=self.critic,
@@ -189,9 +188,11 @@ class PPOSystem(LightningModule):
             runner=self.runner,
             parallel=parallel,
             precision=str(getattr(trainer, "precision", "32-true")),
-            strategy=strategy,
+            strategy=type(trainer.strategy).__name__ if trainer is not None else "none",
             task=self.task,
             tokenizer=self.tokenizer,
+            store=data.store,
+            ray=getattr(trainer, "ray", None),
         )
 
     def _wire(

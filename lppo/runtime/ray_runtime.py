@@ -42,6 +42,7 @@ __all__ = [
     "cluster_address",
     "configure_ray",
     "configured_ray",
+    "local_ray_cpus",
     "ray_module",
     "ray_owned_here",
     "release_ray",
@@ -286,6 +287,23 @@ def release_ray() -> None:
         if owned:
             _stop_reaper()  # first: the raylet stopping now is no death to report
             ray.shutdown()
+
+
+def local_ray_cpus(settings: RaySettings | None) -> int | None:
+    """The logical CPUs of the local Ray the first :func:`acquire_ray` will start.
+
+    Args:
+        settings: ``trainer.ray`` (``None``: the default settings).
+
+    Returns:
+        ``settings.num_cpus``; ``None`` when no Ray will start here with them: an address
+        (only the cluster knows its CPUs), or Ray already running in this process.
+    """
+    settings = settings if settings is not None else RaySettings()
+    ray = sys.modules.get("ray")
+    if settings.address is not None or _State.refs or (ray is not None and ray.is_initialized()):
+        return None
+    return settings.num_cpus
 
 
 def ray_owned_here() -> bool:

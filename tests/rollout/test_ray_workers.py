@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -31,6 +32,7 @@ from lppo.rollout.ray_workers.engine import RayWorkersEngine, RolloutWorkerError
 from lppo.rollout.source import derive_seed
 from lppo.runtime.ray_runtime import configure_ray
 from lppo.tasks import CopyTask
+from lppo.validation import SettingError
 
 TASK = CopyTask()
 TOK = build_char_tokenizer(TASK.vocabulary())
@@ -184,6 +186,19 @@ def test_workers_dying_at_a_weight_sync_are_replaced_logged_and_reported(workers
     assert rollout.worker_restarts == 1
     stored = put_rollout(MemoryReplayStore(), range(len(rollout)), rollout, RowRules())
     assert rollout_stats(stored, SINGLE)[0].extra["worker_restarts"] == 1
+
+
+def test_workers_that_cannot_be_placed_are_refused_at_setup(workers):
+    """The session's Ray has 4 CPUs: Ray would queue 5 workers until ``timeout_s``."""
+    engine = RayWorkersEngine(num_workers=5, timeout_s=600)
+    refused = (
+        r"num_workers=5 rollout workers need 5 free Ray CPUs \(one each\) but the "
+        r"cluster has \d+ free of 4 \(model.rollout.max_staleness=1: .*second set"
+    )
+    with pytest.raises(SettingError, match=refused):
+        engine.setup(policy(0), TOK, dataclasses.replace(SAMPLING, max_staleness=1))
+    assert engine.workers == []
+    assert len(workers.generate(PROMPTS, 2, SEED)) == 12  # Ray is still held by the others
 
 
 def test_waits_are_bounded(workers):

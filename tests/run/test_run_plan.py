@@ -227,3 +227,36 @@ def test_a_multi_turn_opening_longer_than_max_tokens_is_refused_at_setup() -> No
     with pytest.raises(SettingError, match=r"max_tokens=64: .* \(the environment's opening"):
         RunPlan.resolve(run)
     tools.close()
+
+
+def test_ray_workers_that_cannot_be_placed_are_refused_before_ray_starts(tmp_path) -> None:
+    """configs/ray_workers.yaml at lag 1: 2 workers x 2 sets and TransferQueue's 2 CPUs on
+    ``trainer.ray.num_cpus: 4`` (Ray queued the second set; its start timed out after 300 s)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_dir = Path(tempfile.mkdtemp(prefix="lppo-ray-"))  # short: Ray's socket paths fit
+    ray_dir.rmdir()
+    args = ["fit", "--config", "configs/ray_workers.yaml", "--model.rollout.max_staleness", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.ray.temp_dir", str(ray_dir)]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "lppo.run.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert (
+        "lppo: error: SettingError: trainer.ray.num_cpus=4 cannot place this run's Ray actors: "
+        "RayWorkersEngine's workers take 2 logical CPUs x 2 (model.rollout.max_staleness=1: "
+        "ThreadRunner drives a second set), the replay store's services 2: 6 in all"
+    ) in proc.stderr
+    assert "Raise trainer.ray.num_cpus to 6" in proc.stderr
+    assert "or set model.rollout.max_staleness: 0." in proc.stderr
+    assert not ray_dir.exists()  # refused before Ray started

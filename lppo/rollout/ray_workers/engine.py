@@ -53,9 +53,10 @@ from lppo.rollout.base import (
 )
 from lppo.rollout.capabilities import EngineCapabilities, capabilities_of
 from lppo.rollout.hf.engine import HFGenerateEngine
+from lppo.rollout.ray_workers.placement import acquire_for_workers
 from lppo.rollout.ray_workers.worker import RolloutWorker, RolloutWorkerError
 from lppo.rollout.source import derive_seed
-from lppo.runtime.ray_runtime import acquire_ray, ray_module, release_ray
+from lppo.runtime.ray_runtime import ray_module, release_ray
 from lppo.tasks.base import Prompt
 from lppo.validation import check_number
 
@@ -160,7 +161,7 @@ class RayWorkersEngine(RecordsInitArgs):
     def setup(self, policy: torch.nn.Module, tokenizer: Any, sampling: RolloutSettings) -> None:
         """Start Ray (or attach) and the workers, each with a copy of ``policy``."""
         ray = ray_module()
-        acquire_ray("ray")
+        acquire_for_workers(self.num_workers, sampling.max_staleness)  # refused if unplaceable
         # SPREAD: on a cluster of several nodes the workers land on different nodes.
         actor_class = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker).options(
             scheduling_strategy="SPREAD"
@@ -199,6 +200,7 @@ class RayWorkersEngine(RecordsInitArgs):
             multi_turn=inner.multi_turn,
             check_setup=inner.check_setup,
             encode_prompt=inner.encode_prompt,
+            ray_cpus=self.num_workers,  # one logical CPU per worker actor
         )
 
     def take_restarts(self) -> int:
