@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _tools import add, fail, sleep
 from test_tools import _real_tokenizer, _tiny_tokenizer
@@ -191,9 +193,13 @@ def test_a_template_that_does_not_end_turns_with_the_eos_token_is_refused():
 
 
 @pytest.mark.slow
-def test_smollm2_s_tokenizer_with_the_hermes_template_is_accepted_and_its_opening_measured():
+def test_smollm2_s_tokenizer_with_the_hermes_template_is_accepted_and_its_opening_measured(
+    monkeypatch,
+):
     """The real ChatML tokenizer passes every check; its opening (system prompt and tools'
     schemas, ~240 tokens) is what a multi-turn run's ``max_tokens`` must leave room after."""
+    # examples/ is no package of lppo: importable from the repository root, as the guide runs it
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     from examples.smollm2.calculator import calculator
     from examples.smollm2.smollm2_task import ChatArithmeticTask
     from lppo.rollout import HFGenerateEngine, MultiTurnEngine, RolloutSettings
