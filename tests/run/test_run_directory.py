@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,25 @@ def fit(root: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(lppo_fit(root, *extra), env=env(), capture_output=True, timeout=900)
 
 
+@contextlib.contextmanager
+def paused_fit(root: Path, point: str) -> Iterator[subprocess.Popen]:
+    """``lppo fit`` into ``root``, paused at ``point`` (``_fault_points.PauseAt``), then killed."""
+    marker = root.parent / f"{root.name}.reached"
+    pause = ["--trainer.callbacks+=_fault_points.PauseAt", f"--trainer.callbacks.point={point}",
+             f"--trainer.callbacks.marker={marker}"]  # fmt: skip
+    first = subprocess.Popen(lppo_fit(root, *pause), env=env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        yield first
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+
+
 def summary(root: Path) -> dict:
     return json.loads((root / "summary.json").read_text())
 
@@ -184,16 +205,7 @@ def test_ckpt_path_last_without_a_checkpoint_fails_and_auto_starts_then_resumes(
 @pytest.mark.slow
 def test_a_second_fit_into_a_directory_in_use_is_refused_and_keeps_its_checkpoint_write(tmp_path):
     """The first run is paused while it writes iteration 1's checkpoint temporary file."""
-    marker = tmp_path.parent / f"{tmp_path.name}.reached"
-    pause = ["--trainer.callbacks+=_fault_points.PauseAt", "--trainer.callbacks.point=write:1",
-             f"--trainer.callbacks.marker={marker}"]  # fmt: skip
-    first = subprocess.Popen(lppo_fit(tmp_path, *pause), env=env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while not marker.exists():
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+    with paused_fit(tmp_path, "write:1") as first:
         temporaries = [p for p in (tmp_path / "checkpoints").iterdir() if TMP_MARK in p.name]
         assert temporaries
         second = fit(tmp_path, "--ckpt_path", "last")
@@ -202,23 +214,11 @@ def test_a_second_fit_into_a_directory_in_use_is_refused_and_keeps_its_checkpoin
         assert all(p.exists() for p in temporaries)
         last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
         assert last["epoch"] == 0
-    finally:
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
 
 
 @pytest.mark.slow
 def test_a_second_fit_is_refused_after_the_lock_file_of_a_running_one_was_deleted(tmp_path):
-    marker = tmp_path.parent / f"{tmp_path.name}.reached"
-    pause = ["--trainer.callbacks+=_fault_points.PauseAt", "--trainer.callbacks.point=critic:1",
-             f"--trainer.callbacks.marker={marker}"]  # fmt: skip
-    first = subprocess.Popen(lppo_fit(tmp_path, *pause), env=env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while not marker.exists():
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+    with paused_fit(tmp_path, "critic:1") as first:
         (tmp_path / ".lppo.lock").unlink()
         for ckpt_path in ("auto", "last"):
             second = fit(tmp_path, "--ckpt_path", ckpt_path)
@@ -227,6 +227,3 @@ def test_a_second_fit_is_refused_after_the_lock_file_of_a_running_one_was_delete
                 second.stderr.decode()
             )
         assert first.poll() is None  # untouched
-    finally:
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
