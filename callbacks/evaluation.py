@@ -26,6 +26,32 @@ if TYPE_CHECKING:
 #: reference answer; rewards lie in ``[0, 1]``).
 CORRECT_REWARD = 1.0
 
+#: The normal quantile of a two-sided 95 % interval.
+Z95 = 1.959963984540054
+
+
+def wilson_interval(p: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``p`` observed over ``n`` independent trials.
+
+    ``(c ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with centre ``c = p + z²/2n``; unlike
+    ``p ± z·sqrt(p(1-p)/n)`` it stays inside ``[0, 1]`` and does not collapse at 0 or 1.
+
+    Args:
+        p: the observed proportion, in ``[0, 1]``.
+        n: the number of trials, at least 1.
+        z: the normal quantile of the interval (95 %: :data:`Z95`).
+
+    Returns:
+        ``(low, high)``.
+    """
+    scale = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / scale
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / scale
+    # at p = 0 (or 1) the bound is exactly 0 (or 1); the formula leaves round-off there
+    low = 0.0 if p <= 0.0 else max(0.0, centre - half)
+    high = 1.0 if p >= 1.0 else min(1.0, centre + half)
+    return low, high
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)``.
@@ -68,7 +94,11 @@ def evaluation_metrics(
     Returns:
         ``reward_mean`` (over finite rewards; NaN without any), ``accuracy`` (fraction of
         samples with reward >= :data:`CORRECT_REWARD`), ``pass@1`` and ``pass@k`` (unbiased
-        estimator averaged over prompts; one key when ``k = 1``) and ``response_length_mean``.
+        estimator averaged over prompts; one key when ``k = 1``), ``pass@1_ci95_low`` and
+        ``pass@1_ci95_high`` (the Wilson 95 % interval of pass@1 over the prompts: exact in
+        kind for ``k = 1``, e.g. greedy; for ``k > 1`` it treats each prompt's mean as one
+        trial, which overstates the spread, so the interval is conservative) and
+        ``response_length_mean``.
 
     Raises:
         ValueError: no sample, lengths that do not match, or a sample count that is not a
@@ -90,6 +120,8 @@ def evaluation_metrics(
         "pass@1": sum(pass_at_k(k, c, 1) for c in per_prompt) / len(per_prompt),
     }
     metrics[f"pass@{k}"] = sum(pass_at_k(k, c, k) for c in per_prompt) / len(per_prompt)
+    low, high = wilson_interval(metrics["pass@1"], len(per_prompt))
+    metrics["pass@1_ci95_low"], metrics["pass@1_ci95_high"] = low, high
     metrics["response_length_mean"] = sum(float(x) for x in response_lengths) / n
     return metrics
 
@@ -106,6 +138,8 @@ class Evaluation(PPOCallback):
     pass a ``task`` reading a held-out file: by default the prompts are the first
     ``num_prompts`` of the training task's walk.
 
+    With ``at_start``, the initial policy is evaluated before the first iteration (logged as
+    iteration 0: the "before" of a before/after comparison; a resumed run does not repeat it).
     After every ``every_n_iterations``-th iteration and after the last one (``max_epochs``,
     ``max_steps`` or a requested stop; any other stop evaluates at the end of fit), global
     rank zero generates ``samples_per_prompt`` responses per prompt through the run's rollout
@@ -135,6 +169,7 @@ class Evaluation(PPOCallback):
         task: the task to draw prompts from and reward with (it must use the training task's
             vocabulary); ``None``: the trained task (``model.task``).
         prefix: metric prefix; give each of several ``Evaluation`` callbacks its own.
+        at_start: also evaluate the initial policy, before the first iteration (iteration 0).
     """
 
     def __init__(
@@ -146,6 +181,7 @@ class Evaluation(PPOCallback):
         greedy: bool = False,
         task: Task | None = None,
         prefix: str = "eval",
+        at_start: bool = False,
     ) -> None:
         super().__init__()
         for key, value in (
@@ -169,6 +205,7 @@ class Evaluation(PPOCallback):
         self.greedy = greedy
         self.task = task
         self.prefix = prefix
+        self.at_start = at_start
         self.prompts: list[Prompt] | None = None
         self.run_log = RunLog()  # the run's, from the module at setup / evaluate
 
@@ -202,6 +239,11 @@ class Evaluation(PPOCallback):
             # drawing later would see a task restored from a checkpoint or advanced by training.
             trained = cast("PPOSystem", pl_module).task
             self.prompts = self.draw_prompts(self.task if self.task is not None else trained)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Evaluate the initial policy (``at_start``) when the fit starts from iteration 1."""
+        if self.at_start and trainer.current_epoch == 0:
+            self.evaluate(trainer, pl_module, -1)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Evaluate after every ``every_n_iterations``-th iteration and after the last one."""

@@ -11,8 +11,12 @@ from __future__ import annotations
 import re
 
 from lppo.tasks import ArithmeticTask, Prompt
+from lppo.tasks.arithmetic import Split
 
 INTEGER = re.compile(r"-?\d+")
+
+#: How each operator is read out in a question (the template's ``{word}``).
+WORDS = {"+": "plus", "-": "minus", "*": "times"}
 
 
 def last_integer(text: str) -> str | None:
@@ -28,11 +32,15 @@ class ChatArithmeticTask(ArithmeticTask):
     right sum, partial credit for right digits, 0.0 when the completion holds no integer).
 
     Args:
-        template: the question, a format string over ``a``, ``op`` and ``b``.
+        template: the question, a format string over ``a``, ``b``, ``op`` (``+``, ``-``,
+            ``*``) and ``word`` (``plus``, ``minus``, ``times``).
         min_value: smallest operand.
         max_value: largest operand.
-        operators: a non-empty subset of ``"+-"``.
+        operators: a non-empty subset of ``"+-*"``.
         partial_weight: the largest score a wrong number can earn, in ``[0, 1)``.
+        split: ``"all"``, or one side (``"train"`` / ``"heldout"``) of the fixed partition of
+            problems (see :class:`~lppo.tasks.ArithmeticTask`).
+        heldout_fraction: the share of problems on the held-out side, in ``(0, 1)``.
     """
 
     name = "chat_arithmetic"
@@ -44,15 +52,17 @@ class ChatArithmeticTask(ArithmeticTask):
         max_value: int = 9,
         operators: str = "+",
         partial_weight: float = 0.0,
+        split: Split = "all",
+        heldout_fraction: float = 0.1,
     ) -> None:
-        super().__init__(min_value, max_value, operators, partial_weight)
-        template.format(a=0, op="+", b=0)  # fail at construction on a bad template
+        super().__init__(min_value, max_value, operators, partial_weight, split, heldout_fraction)
+        template.format(a=0, op="+", b=0, word="plus")  # fail at construction on a bad template
         self.template = template
 
     def make_prompt(self, a: int, op: str, b: int) -> Prompt:
         """The question for ``a op b`` and its answer (see :meth:`ArithmeticTask.make_prompt`)."""
         prompt = super().make_prompt(a, op, b)
-        prompt.text = self.template.format(a=a, op=op, b=b)
+        prompt.text = self.template.format(a=a, op=op, b=b, word=WORDS[op])
         return prompt
 
     def reward(self, prompt: Prompt, completion: str) -> float:
@@ -62,9 +72,12 @@ class ChatArithmeticTask(ArithmeticTask):
 
     def vocabulary(self) -> str:
         """Every character of the questions and answers (for a character tokenizer)."""
-        return "".join(sorted(set(self.template + super().vocabulary())))
+        words = "".join(WORDS[op] for op in self.operators)
+        return "".join(sorted(set(self.template + words + super().vocabulary())))
 
     def max_prompt_length(self) -> int:
         """Longest question, in characters."""
         big = max(self.max_value, self.min_value)
-        return max(len(self.template.format(a=big, op=op, b=big)) for op in self.operators)
+        return max(
+            len(self.template.format(a=big, op=op, b=big, word=WORDS[op])) for op in self.operators
+        )

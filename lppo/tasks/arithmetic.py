@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+from typing import Literal
 
 from lppo.tasks.base import Prompt, Task
 from lppo.validation import check_number
 
-OPERATORS = "+-"
+OPERATORS = "+-*"
+
+#: Which problems a task draws: every one, or one side of the fixed train / held-out partition.
+Split = Literal["all", "train", "heldout"]
+
+#: Draws a split may reject in a row before the task gives up (a held-out side this small
+#: means the operand range is too narrow for ``heldout_fraction``).
+MAX_REJECTIONS = 10_000
+
+
+def apply(a: int, op: str, b: int) -> int:
+    """``a op b`` for ``op`` in :data:`OPERATORS`."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+def heldout_score(a: int, op: str, b: int) -> float:
+    """A fixed pseudo-random number in ``[0, 1)`` for the problem ``a op b``.
+
+    The problem is held out when its score is below ``heldout_fraction``: a property of the
+    problem itself (a SHA-256 of ``"a op b"``), so the train and held-out sides are disjoint
+    whatever seeds, samplers or processes draw them.
+    """
+    digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def right_aligned_matches(target: str, completion: str) -> int:
@@ -24,7 +53,7 @@ def right_aligned_matches(target: str, completion: str) -> int:
 
 
 class ArithmeticTask(Task):
-    """Add (or subtract) two random integers: prompt ``"a+b="``, answer ``str(a + b)``.
+    """Add, subtract or multiply two random integers: prompt ``"a+b="``, answer ``str(a + b)``.
 
     Reward: 1.0 for the exact answer; otherwise
     ``partial_weight * matches / max(len(answer), len(completion))`` where ``matches`` counts
@@ -34,9 +63,13 @@ class ArithmeticTask(Task):
     Args:
         min_value: smallest operand.
         max_value: largest operand.
-        operators: the operators to draw from, a non-empty subset of ``"+-"``. Subtraction may
-            produce negative answers (with a leading ``-``).
+        operators: the operators to draw from, a non-empty subset of ``"+-*"``. Subtraction
+            may produce negative answers (with a leading ``-``).
         partial_weight: the largest score a wrong answer can earn, in ``[0, 1)``.
+        split: ``"all"`` draws every problem; ``"train"`` and ``"heldout"`` draw only one side
+            of a fixed partition of the problems (:func:`heldout_score`), so a training task and
+            an evaluation task never share a problem.
+        heldout_fraction: the share of problems on the held-out side, in ``(0, 1)``.
     """
 
     name = "arithmetic"
@@ -47,6 +80,8 @@ class ArithmeticTask(Task):
         max_value: int = 20,
         operators: str = "+",
         partial_weight: float = 0.5,
+        split: Split = "all",
+        heldout_fraction: float = 0.1,
     ) -> None:
         key = "model.task.init_args"
         check_number(f"{key}.min_value", min_value, integer=True, low=0)
@@ -59,7 +94,21 @@ class ArithmeticTask(Task):
         )
         check_number(f"{key}.partial_weight", partial_weight, low=0, high=1, high_open=True)
         if not operators or any(op not in OPERATORS for op in operators):
-            raise ValueError(f"operators must be a non-empty subset of {OPERATORS!r}")
+            raise ValueError(
+                f"{key}.operators={operators!r} must be a non-empty subset of {OPERATORS!r}"
+            )
+        if split not in ("all", "train", "heldout"):
+            raise ValueError(f"{key}.split={split!r} is not one of 'all', 'train', 'heldout'.")
+        check_number(
+            f"{key}.heldout_fraction",
+            heldout_fraction,
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+        )
+        self.split = split
+        self.heldout_fraction = heldout_fraction
         self.min_value = min_value
         self.max_value = max_value
         self.operators = "".join(sorted(set(operators), key=OPERATORS.index))
@@ -70,24 +119,44 @@ class ArithmeticTask(Task):
 
         Args:
             a: left operand.
-            op: ``"+"`` or ``"-"``.
+            op: one of :data:`OPERATORS`.
             b: right operand.
 
         Returns:
             The prompt.
         """
-        result = a + b if op == "+" else a - b
+        result = apply(a, op, b)
         return Prompt(text=f"{a}{op}{b}=", answer=str(result), metadata={"a": a, "b": b, "op": op})
 
     def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
-        """Draw ``n`` random problems (see :meth:`Task.sample_prompts`)."""
+        """Draw ``n`` random problems of the task's split (see :meth:`Task.sample_prompts`).
+
+        Raises:
+            ValueError: the split holds (almost) no problem of the operand range.
+        """
         prompts = []
         for _ in range(n):
-            a = generator.randint(self.min_value, self.max_value)
-            b = generator.randint(self.min_value, self.max_value)
-            op = generator.choice(self.operators)
+            for _ in range(MAX_REJECTIONS):
+                a = generator.randint(self.min_value, self.max_value)
+                b = generator.randint(self.min_value, self.max_value)
+                op = generator.choice(self.operators)
+                if self.in_split(a, op, b):
+                    break
+            else:
+                raise ValueError(
+                    f"ArithmeticTask.split={self.split!r}: no problem of that side in "
+                    f"{MAX_REJECTIONS} draws; widen min_value..max_value or change "
+                    "heldout_fraction."
+                )
             prompts.append(self.make_prompt(a, op, b))
         return prompts
+
+    def in_split(self, a: int, op: str, b: int) -> bool:
+        """Whether the problem ``a op b`` belongs to the task's :attr:`split`."""
+        if self.split == "all":
+            return True
+        heldout = heldout_score(a, op, b) < self.heldout_fraction
+        return heldout == (self.split == "heldout")
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         """Exact-match score with partial digit credit (see the class docstring)."""
@@ -110,6 +179,6 @@ class ArithmeticTask(Task):
 
     def max_answer_length(self) -> int:
         """Longest possible reference answer, in characters."""
-        hi = self.max_value + self.max_value if "+" in self.operators else self.max_value
-        lo = self.min_value - self.max_value if "-" in self.operators else 0
-        return max(len(str(hi)), len(str(lo)))
+        ends = (self.min_value, self.max_value)
+        results = [apply(a, op, b) for op in self.operators for a in ends for b in ends]
+        return max(len(str(r)) for r in results)

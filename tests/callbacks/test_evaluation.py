@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lppo.callbacks import Evaluation, PPOMetricsLogger, RewardCurve, RunSummary
-from lppo.callbacks.evaluation import evaluation_metrics, pass_at_k
+from lppo.callbacks.evaluation import evaluation_metrics, pass_at_k, wilson_interval
 
 from lppo.config import PPOConfig
 from lppo.iteration.data import ReplayDataModule
@@ -118,6 +118,8 @@ def test_evaluation_metrics_against_a_hand_computed_example() -> None:
             "accuracy": 4 / 9,
             "pass@1": (1 / 3 + 0 + 1) / 3,
             "pass@3": (1 + 0 + 1) / 3,
+            "pass@1_ci95_low": wilson_interval(4 / 9, 3)[0],
+            "pass@1_ci95_high": wilson_interval(4 / 9, 3)[1],
             "response_length_mean": 5.0,
         }
     )
@@ -125,10 +127,27 @@ def test_evaluation_metrics_against_a_hand_computed_example() -> None:
         "reward_mean",
         "accuracy",
         "pass@1",
+        "pass@1_ci95_low",
+        "pass@1_ci95_high",
         "response_length_mean",
     }
     with pytest.raises(ValueError, match="samples_per_prompt=2"):
         evaluation_metrics([1.0, 0.0, 1.0], [1, 1, 1], 2)
+
+
+def test_wilson_interval_against_published_values() -> None:
+    # Newcombe (1998), Statistics in Medicine 17:857, table I: 81/263 -> 0.2553 .. 0.3662;
+    # 15/148 -> 0.0624 .. 0.1605; 0/20 -> 0 .. 0.1611; 1/29 -> 0.0061 .. 0.1718.
+    for c, n, low, high in (
+        (81, 263, 0.2553, 0.3662),
+        (15, 148, 0.0624, 0.1605),
+        (0, 20, 0.0, 0.1611),
+        (1, 29, 0.0061, 0.1718),
+    ):
+        assert wilson_interval(c / n, n) == pytest.approx((low, high), abs=1e-4)
+    low, high = wilson_interval(1.0, 500)
+    assert high == 1.0 and 0.99 < low < 1.0  # never past 1, never collapsed
+    assert wilson_interval(0.3, 2000)[1] - wilson_interval(0.3, 2000)[0] < 0.05
 
 
 # --------------------------------------------------------------------------- the fit
@@ -173,6 +192,27 @@ def test_training_trajectory_is_bitwise_unchanged(runs: dict[str, Any]) -> None:
         rows = read_csv(runs["root"] / name / "version_0" / "metrics.csv")
         rewards.append([r["rollout/reward_mean"] for r in rows if r["rollout/reward_mean"]])
     assert rewards[0] == rewards[1] and len(rewards[0]) == 3
+
+
+def test_at_start_evaluates_the_initial_policy_without_changing_training(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    started = fit(tmp_path / "started", 3, *EVALUATION, "--trainer.callbacks.at_start=true")
+    evaluation = evaluation_of(started)
+    assert [h["iteration"] for h in evaluation.history] == [0, 2, 3]
+    first = evaluation.history[0]
+    assert first["step"] == 0 and 0.0 <= first["pass@1_ci95_low"] <= first["pass@1"]
+    assert first["pass@1"] <= first["pass@1_ci95_high"] <= 1.0
+    # the initial policy's samples are those of a fresh evaluation callback's first look
+    later = evaluation_of(runs["evaluated"]).history
+    assert [h["iteration"] for h in later] == [2, 3]
+    plain, after = params(runs["plain"].model), params(started.model)
+    for key in plain:
+        assert torch.equal(plain[key], after[key]), key
+    for mine, theirs in zip(evaluation.history[1:], later, strict=True):
+        assert without_seconds([mine])[0] | {"step": 0} == without_seconds([theirs])[0] | {
+            "step": 0
+        }
 
 
 class WalkingTask(CopyTask):

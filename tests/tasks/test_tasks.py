@@ -93,6 +93,38 @@ def test_arithmetic_reward_shape():
     neg = ArithmeticTask(operators="-").make_prompt(3, "-", 10)
     assert neg.answer == "-7"
     assert ArithmeticTask(max_value=99, operators="+-").max_answer_length() == 3
+    times = ArithmeticTask(max_value=99, operators="*")
+    assert times.make_prompt(12, "*", 7).answer == "84" and times.max_answer_length() == 4
+
+
+def test_arithmetic_splits_are_disjoint_and_cover_every_problem():
+    kwargs = {"max_value": 99, "operators": "+-*", "heldout_fraction": 0.1}
+    train = ArithmeticTask(split="train", **kwargs)
+    heldout = ArithmeticTask(split="heldout", **kwargs)
+
+    def problems(task: ArithmeticTask, n: int, seed: int) -> set[tuple[int, str, int]]:
+        drawn = task.sample_prompts(n, random.Random(seed))
+        return {(p.metadata["a"], p.metadata["op"], p.metadata["b"]) for p in drawn}
+
+    # the same seed on both sides still never gives a shared problem
+    seen_train, seen_heldout = problems(train, 20_000, 0), problems(heldout, 2_000, 0)
+    assert not seen_train & seen_heldout
+    every = [(a, op, b) for a in range(100) for op in "+-*" for b in range(100)]
+    share = sum(heldout.in_split(*p) for p in every) / len(every)
+    assert 0.09 < share < 0.11
+    assert all(train.in_split(*p) != heldout.in_split(*p) for p in every)
+    # "all" draws exactly what the task drew before splits existed: no rejection
+    before = ArithmeticTask(max_value=99, operators="+-*").sample_prompts(50, random.Random(3))
+    generator = random.Random(3)
+    by_hand = [
+        (generator.randint(0, 99), generator.randint(0, 99), generator.choice("+-*"))
+        for _ in range(50)
+    ]
+    assert [(p.metadata["a"], p.metadata["b"], p.metadata["op"]) for p in before] == by_hand
+    narrow = ArithmeticTask(max_value=0, operators="+", split="heldout", heldout_fraction=0.01)
+    assert not narrow.in_split(0, "+", 0)  # the only problem is on the training side
+    with pytest.raises(ValueError, match="split='heldout'"):
+        narrow.sample_prompts(1, random.Random(0))
 
 
 def test_rewards_batch_length_mismatch():
@@ -132,8 +164,11 @@ def test_copy_rejects_bad_args(kwargs):
         {"min_value": -1},
         {"max_value": -1},
         {"operators": ""},
-        {"operators": "*"},
+        {"operators": "/"},
         {"partial_weight": 1.0},
+        {"split": "test"},
+        {"heldout_fraction": 0.0},
+        {"heldout_fraction": 1.0},
     ],
 )
 def test_arithmetic_rejects_bad_args(kwargs):
