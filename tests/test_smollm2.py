@@ -246,3 +246,72 @@ def test_multiturn_example_calls_the_calculator(
     assert float(row["rollout/tool_calls_per_episode"]) >= 1  # the prefix opens a call
     assert float(row["rollout/observation_tokens_per_row"]) > 0
     assert float(row["rollout/turns_per_episode"]) >= 2
+
+
+def _recipe(name: str, converted: Path, run_dir: Path) -> dict:
+    """``examples/smollm2/<name>``'s short form: 2 iterations of 8 samples, 12 held-out problems,
+    the model read from ``converted``, no checkpoint (1.6-3.2 GB), the export kept."""
+    config = yaml.safe_load((EXAMPLE / name).read_text())
+    trainer, model = config["trainer"], config["model"]
+    trainer.update(max_epochs=2, default_root_dir=str(run_dir))
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c for c in trainer["callbacks"]}
+    callbacks["Evaluation"]["init_args"].update(num_prompts=12, every_n_iterations=1)
+    callbacks["IterationCheckpoint"]["init_args"]["every_n_iterations"] = 1000
+    model["tokenizer_path"] = str(converted)
+    model["actor"]["init_args"]["model"]["init_args"]["pretrained_path"] = str(converted)
+    if model["critic"] is not None:
+        model["critic"]["init_args"]["backbone"]["init_args"]["pretrained_path"] = str(converted)
+    model["rollout"].update(prompts_per_iteration=2, samples_per_prompt=4)
+    return config
+
+
+@pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml"])
+def test_recipes_evaluate_on_the_other_side_of_the_partition(name: str) -> None:
+    config = yaml.safe_load((EXAMPLE / name).read_text())
+    train = config["model"]["task"]
+    [evaluation] = [c for c in config["trainer"]["callbacks"] if "Evaluation" in c["class_path"]]
+    heldout = evaluation["init_args"]["task"]
+    assert train["class_path"] == heldout["class_path"] == "smollm2_task.ChatArithmeticTask"
+    assert (train["init_args"].pop("split"), heldout["init_args"].pop("split")) == (
+        "train",
+        "heldout",
+    )
+    train["init_args"].pop("partial_weight", None)  # a shaping of the training reward only
+    assert train["init_args"] == heldout["init_args"]
+    settings = evaluation["init_args"]
+    assert settings["greedy"] and settings["at_start"] and settings["num_prompts"] >= 500
+    assert (config["model"]["critic"] is None) == (name == "grpo.yaml")
+
+
+@needs_model
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml"])
+def test_recipe_short_form_evaluates_before_and_after_and_exports(
+    name: str, converted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lppo.run.cli import run
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))  # class_path: smollm2_task.ChatArithmeticTask
+    run_dir = tmp_path / "run"
+    config = tmp_path / name
+    config.write_text(yaml.safe_dump(_recipe(name, converted, run_dir)))
+    threads = torch.get_num_threads()
+    try:
+        cli = run(["fit", "--config", str(config)])
+    finally:
+        torch.set_num_threads(threads)
+    assert cli.trainer.current_epoch == 2
+    history = cli.model.run_log.evaluations["eval"]
+    assert [h["iteration"] for h in history] == [0, 1, 2]  # before, and after each iteration
+    for entry in history:
+        assert entry["pass@1_ci95_low"] <= entry["pass@1"] <= entry["pass@1_ci95_high"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["evaluation"]["eval"]["iteration"] == 2
+    policy = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "policy")
+    exported = policy.state_dict()
+    trained = cli.model.actor.model.state_dict()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained if k in exported)
+    start = AutoModelForCausalLM.from_pretrained(converted).state_dict()
+    assert any(not torch.equal(start[k], exported[k]) for k in start), "no weight moved"

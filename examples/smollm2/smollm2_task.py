@@ -41,6 +41,8 @@ class ChatArithmeticTask(ArithmeticTask):
         split: ``"all"``, or one side (``"train"`` / ``"heldout"``) of the fixed partition of
             problems (see :class:`~lppo.tasks.ArithmeticTask`).
         heldout_fraction: the share of problems on the held-out side, in ``(0, 1)``.
+        problems: a fixed list of problems (``"47-18"``) to draw from instead of random
+            operands (see :class:`~lppo.tasks.ArithmeticTask`).
     """
 
     name = "chat_arithmetic"
@@ -54,8 +56,11 @@ class ChatArithmeticTask(ArithmeticTask):
         partial_weight: float = 0.0,
         split: Split = "all",
         heldout_fraction: float = 0.1,
+        problems: list[str] | None = None,
     ) -> None:
-        super().__init__(min_value, max_value, operators, partial_weight, split, heldout_fraction)
+        super().__init__(
+            min_value, max_value, operators, partial_weight, split, heldout_fraction, problems
+        )
         template.format(a=0, op="+", b=0, word="plus")  # fail at construction on a bad template
         self.template = template
 

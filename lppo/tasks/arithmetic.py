@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from typing import Literal
 
 from lppo.tasks.base import Prompt, Task
@@ -17,6 +18,9 @@ Split = Literal["all", "train", "heldout"]
 #: Draws a split may reject in a row before the task gives up (a held-out side this small
 #: means the operand range is too narrow for ``heldout_fraction``).
 MAX_REJECTIONS = 10_000
+
+#: One problem of a fixed list: ``"47-18"``, ``"3 * 12"``.
+PROBLEM = re.compile(r"^\s*(\d+)\s*([-+*])\s*(\d+)\s*$")
 
 
 def apply(a: int, op: str, b: int) -> int:
@@ -70,6 +74,9 @@ class ArithmeticTask(Task):
             of a fixed partition of the problems (:func:`heldout_score`), so a training task and
             an evaluation task never share a problem.
         heldout_fraction: the share of problems on the held-out side, in ``(0, 1)``.
+        problems: a fixed list of problems (``"47-18"``) to draw from, uniformly, instead of
+            random operands; each must lie in the operand range, use the task's operators and
+            belong to its split. ``None``: random operands.
     """
 
     name = "arithmetic"
@@ -82,6 +89,7 @@ class ArithmeticTask(Task):
         partial_weight: float = 0.5,
         split: Split = "all",
         heldout_fraction: float = 0.1,
+        problems: list[str] | None = None,
     ) -> None:
         key = "model.task.init_args"
         check_number(f"{key}.min_value", min_value, integer=True, low=0)
@@ -113,6 +121,32 @@ class ArithmeticTask(Task):
         self.max_value = max_value
         self.operators = "".join(sorted(set(operators), key=OPERATORS.index))
         self.partial_weight = partial_weight
+        self.problems = None if problems is None else self.parse_problems(problems, key)
+
+    def parse_problems(self, problems: list[str], key: str) -> list[tuple[int, str, int]]:
+        """``[(a, op, b), ...]`` of ``problems``, each checked against the task's settings.
+
+        Raises:
+            ValueError: an empty list, or a problem that does not parse, lies outside the
+                operand range, uses another operator or belongs to the other split.
+        """
+        if not problems:
+            raise ValueError(f"{key}.problems is empty; give problems like '47-18', or null.")
+        parsed = []
+        for text in problems:
+            match = PROBLEM.match(str(text))
+            if match is None:
+                raise ValueError(f"{key}.problems: {text!r} is not a problem like '47-18'.")
+            a, op, b = int(match[1]), match[2], int(match[3])
+            inside = all(self.min_value <= v <= self.max_value for v in (a, b))
+            if not inside or op not in self.operators or not self.in_split(a, op, b):
+                raise ValueError(
+                    f"{key}.problems: {text!r} is outside the task (operands "
+                    f"{self.min_value}..{self.max_value}, operators {self.operators!r}, split "
+                    f"{self.split!r}); drop it or widen the task."
+                )
+            parsed.append((a, op, b))
+        return parsed
 
     def make_prompt(self, a: int, op: str, b: int) -> Prompt:
         """Build the prompt ``f"{a}{op}{b}="`` and its answer.
@@ -134,6 +168,8 @@ class ArithmeticTask(Task):
         Raises:
             ValueError: the split holds (almost) no problem of the operand range.
         """
+        if self.problems is not None:
+            return [self.make_prompt(*generator.choice(self.problems)) for _ in range(n)]
         prompts = []
         for _ in range(n):
             for _ in range(MAX_REJECTIONS):

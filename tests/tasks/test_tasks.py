@@ -97,6 +97,18 @@ def test_arithmetic_reward_shape():
     assert times.make_prompt(12, "*", 7).answer == "84" and times.max_answer_length() == 4
 
 
+def test_arithmetic_draws_from_a_fixed_list_of_problems():
+    task = ArithmeticTask(max_value=99, operators="+-*", problems=["47-18", " 3 * 12 "])
+    drawn = task.sample_prompts(40, random.Random(0))
+    assert {(p.text, p.answer) for p in drawn} == {("47-18=", "29"), ("3*12=", "36")}
+    again = task.sample_prompts(40, random.Random(0))
+    assert [p.text for p in again] == [p.text for p in drawn]
+    train = ArithmeticTask(max_value=99, operators="+-*", split="train")
+    a, b = next((a, b) for a in range(100) for b in range(100) if not train.in_split(a, "+", b))
+    with pytest.raises(ValueError, match="split 'train'"):
+        ArithmeticTask(max_value=99, operators="+-*", split="train", problems=[f"{a}+{b}"])
+
+
 def test_arithmetic_splits_are_disjoint_and_cover_every_problem():
     kwargs = {"max_value": 99, "operators": "+-*", "heldout_fraction": 0.1}
     train = ArithmeticTask(split="train", **kwargs)
@@ -169,6 +181,10 @@ def test_copy_rejects_bad_args(kwargs):
         {"split": "test"},
         {"heldout_fraction": 0.0},
         {"heldout_fraction": 1.0},
+        {"problems": []},
+        {"problems": ["4/2"]},
+        {"problems": ["4*2"]},  # "+" only
+        {"problems": ["21+1"]},  # past max_value
     ],
 )
 def test_arithmetic_rejects_bad_args(kwargs):
