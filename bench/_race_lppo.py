@@ -67,20 +67,20 @@ def spec_task(spec: dict[str, Any]) -> Any:
                 operators=spec["operators"],
                 split="train",
             )
-            self.problems = [self.make_prompt(p["a"], p["op"], p["b"]) for p in spec["train"]]
-            if [p.text for p in self.problems] != [p["text"] for p in spec["train"]]:
+            self.served = [self.make_prompt(p["a"], p["op"], p["b"]) for p in spec["train"]]
+            if [p.text for p in self.served] != [p["text"] for p in spec["train"]]:
                 raise SystemExit("the task's template does not give the spec's prompt texts")
             self.cursor = 0
 
         def sample_prompts(self, n: int, generator: random.Random) -> list[Prompt]:
-            if self.cursor + n > len(self.problems):
-                raise SystemExit(f"the spec holds {len(self.problems)} problems, asked past them")
-            out = self.problems[self.cursor : self.cursor + n]
+            if self.cursor + n > len(self.served):
+                raise SystemExit(f"the spec holds {len(self.served)} problems, asked past them")
+            out = self.served[self.cursor : self.cursor + n]
             self.cursor += n
             return [Prompt(p.text, p.answer, dict(p.metadata)) for p in out]
 
         def sample_texts(self) -> list[str]:
-            return [t for p in self.problems for t in (p.text, p.answer)]
+            return [t for p in self.served for t in (p.text, p.answer)]
 
         def state_dict(self) -> dict[str, Any]:
             return {"cursor": self.cursor}
