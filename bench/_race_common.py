@@ -33,6 +33,24 @@ def load_spec(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def start(argv: Sequence[str], known: set[str]) -> tuple[dict[str, Any], Recorder, dict[str, str]]:
+    """A side's start: ``argv`` is ``[prog, SPEC, OUT_DIR, KEY=VALUE, ...]``.
+
+    Returns:
+        The spec, its :class:`Recorder` (made first: it waits for the turn and starts the
+        clock) and the ``KEY=VALUE`` settings.
+
+    Raises:
+        SystemExit: a setting not in ``known``.
+    """
+    spec_path, out_dir = argv[1:3]
+    opts = dict(a.split("=", 1) for a in argv[3:])
+    if set(opts) - known:
+        raise SystemExit(f"unknown settings {sorted(set(opts) - known)}; known: {sorted(known)}")
+    spec = load_spec(spec_path)
+    return spec, Recorder(spec, out_dir), opts
+
+
 def last_integer(text: str) -> str | None:
     """The last integer written in ``text`` (``"3 + 4 = 7."`` -> ``"7"``), or ``None``.
 

@@ -191,12 +191,7 @@ def race_callback(recorder: common.Recorder) -> Any:
 
 def main() -> None:
     """Fit, then print the JSON line."""
-    spec_path, out_dir = sys.argv[1:3]
-    opts = dict(a.split("=", 1) for a in sys.argv[3:])
-    if set(opts) - KNOWN:
-        raise SystemExit(f"unknown settings {sorted(set(opts) - KNOWN)}; known: {sorted(KNOWN)}")
-    spec = common.load_spec(spec_path)
-    recorder = common.Recorder(spec, out_dir)  # first: waits for the turn, starts the clock
+    spec, recorder, opts = common.start(sys.argv, KNOWN)
     os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
     import torch
     from lightning.pytorch import seed_everything
@@ -213,7 +208,7 @@ def main() -> None:
         max_epochs=spec["iterations"],
         accelerator="cpu",
         devices=1,
-        default_root_dir=os.path.join(out_dir, "run"),
+        default_root_dir=os.path.join(recorder.out_dir, "run"),
         logger=False,
         enable_checkpointing=False,
         callbacks=[race_callback(recorder)],

@@ -85,12 +85,7 @@ def watch(trainer: Any, current: dict[str, Any]) -> None:
 
 def main() -> None:
     """Train, then print the JSON line."""
-    spec_path, out_dir = sys.argv[1:3]
-    opts = dict(a.split("=", 1) for a in sys.argv[3:])
-    if set(opts) - KNOWN:
-        raise SystemExit(f"unknown settings {sorted(set(opts) - KNOWN)}; known: {sorted(KNOWN)}")
-    spec = common.load_spec(spec_path)
-    recorder = common.Recorder(spec, out_dir)  # first: waits for the turn, starts the clock
+    spec, recorder, opts = common.start(sys.argv, KNOWN)
     import torch
 
     torch.set_num_threads(spec["threads"])
