@@ -9,9 +9,6 @@ builds one :class:`Recorder` first thing (before its heavy imports), calls
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import hashlib
 import json
 import os
@@ -22,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import _turns
+from _memory import MiB, release_free_heap, status_kib
 
 INTEGER = re.compile(r"-?\d+")
-MiB = 1024 * 1024
 
 
 def load_spec(path: str) -> dict[str, Any]:
@@ -110,27 +107,6 @@ class Clock:
         """Seconds counted so far."""
         now = self._paused_at if self._paused_at is not None else time.perf_counter()
         return now - self._start - self._paused
-
-
-def status_kib(key: str) -> int:
-    """One ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in KiB (0 where there is none)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def release_free_heap() -> None:
-    """Collect garbage and return the allocator's free heap to the kernel (glibc only)."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 class PeakMemory:
