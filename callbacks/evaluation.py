@@ -141,20 +141,23 @@ class Evaluation(PPOCallback):
     With ``at_start``, the initial policy is evaluated before the first iteration (logged as
     iteration 0: the "before" of a before/after comparison; a resumed run does not repeat it).
     After every ``every_n_iterations``-th iteration and after the last one (``max_epochs``,
-    ``max_steps`` or a requested stop; any other stop evaluates at the end of fit), global
-    rank zero generates ``samples_per_prompt`` responses per prompt through the run's rollout
-    source (``pl_module.rollout_source.evaluate``: the engine on the actor's current weights,
-    the run's ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them
-    with one ``task.rewards`` call and logs ``<prefix>/reward_mean``, ``<prefix>/accuracy``
-    (samples with reward 1.0, the reference answer), ``<prefix>/pass@1`` and
-    ``<prefix>/pass@<k>`` (Chen et al.'s unbiased estimator averaged over prompts),
-    ``<prefix>/response_length_mean`` and ``<prefix>/seconds``, with ``iteration``, to every
-    logger; other ranks skip. Rows take the next step of the run log's axis
-    (``pl_module.run_log``, after the iteration's own rows). Generation runs without gradients
-    under forked RNGs and the actor's train/eval modes are restored, so training is bitwise
-    what it is without this callback. The entries are recorded in the run log (saved with the
-    run, so a resumed run keeps the earlier evaluations; the reward curve and the run summary
-    read them there); :attr:`history` is this prefix's.
+    ``max_steps`` or a requested stop; any other stop evaluates at the end of fit), global rank
+    zero generates ``samples_per_prompt`` responses per prompt through the run's rollout source
+    (``pl_module.rollout_source.evaluate``: the engine on the actor's current weights, the run's
+    ``model.rollout`` settings and a fixed ``seed``, or greedy decoding), scores them with one
+    ``task.rewards`` call and logs ``<prefix>/reward_mean``, ``<prefix>/accuracy`` (samples with
+    reward 1.0, the reference answer), ``<prefix>/pass@1`` and ``<prefix>/pass@<k>`` (Chen et
+    al.'s unbiased estimator averaged over prompts), ``<prefix>/response_length_mean`` and
+    ``<prefix>/seconds``, with ``iteration``, to every logger; other ranks skip. Multi-turn
+    engines add their episodes' metrics (:meth:`~lppo.reports.EpisodeReport.metrics`:
+    ``<prefix>/tool_calls_per_episode``, ``<prefix>/tool_errors_per_episode``,
+    ``<prefix>/turns_per_episode``, ...), so a tool-use run shows whether its calls got better,
+    not only its answers. Rows take the next step of the run log's axis (``pl_module.run_log``,
+    after the iteration's own rows). Generation runs without gradients under forked RNGs and the
+    actor's train/eval modes are restored, so training is bitwise what it is without this
+    callback. The entries are recorded in the run log (saved with the run, so a resumed run
+    keeps the earlier evaluations; the reward curve and the run summary read them there);
+    :attr:`history` is this prefix's.
 
     From YAML / the command line: ``--trainer.callbacks+=lppo.callbacks.Evaluation
     --trainer.callbacks.every_n_iterations=10``.
@@ -313,6 +316,8 @@ class Evaluation(PPOCallback):
             ) from error
         lengths = [float(m.sum()) for m in samples.output.response_mask]
         metrics = evaluation_metrics(samples.rewards, lengths, k)
+        if samples.output.episodes is not None:
+            metrics.update(samples.output.episodes.metrics())
         metrics["seconds"] = time.perf_counter() - clock
         row: dict[str, float] = {"iteration": number}
         row.update({f"{self.prefix}/{name}": v for name, v in metrics.items()})

@@ -114,6 +114,7 @@ class EpisodeReport(Counts):
         """Per-episode means and fractions (NaN without episodes).
 
         ``turns_per_episode``, ``tool_calls_per_episode``, ``tool_errors_per_episode``,
+        ``tool_successes_per_episode`` (well-formed calls that returned a result),
         ``tool_timeouts_per_episode``, ``policy_tokens_per_row``,
         ``observation_tokens_per_row``, ``observation_token_fraction`` (of the trajectory's
         response-side tokens), ``truncated_by_turns`` and ``truncated_by_tokens`` (fractions
@@ -125,6 +126,7 @@ class EpisodeReport(Counts):
             "turns_per_episode": self.turns / n,
             "tool_calls_per_episode": self.tool_calls / n,
             "tool_errors_per_episode": self.tool_errors / n,
+            "tool_successes_per_episode": (self.tool_calls - self.tool_errors) / n,
             "tool_timeouts_per_episode": self.tool_timeouts / n,
             "policy_tokens_per_row": self.policy_tokens / n,
             "observation_tokens_per_row": self.observation_tokens / n,

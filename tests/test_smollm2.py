@@ -220,20 +220,16 @@ def test_fit_trains_the_pretrained_model(
 
 @needs_model
 @pytest.mark.slow
-def test_multiturn_example_calls_the_calculator(
+def test_multiturn_example_calls_the_calculator_and_evaluates_the_calls(
     converted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """examples/smollm2/multiturn.yaml for one small iteration: the model's calls reach the
-    calculator (in the tool worker), its answers come back as masked tool turns."""
+    calculator (in the tool worker), its answers come back as masked tool turns, and the
+    held-out evaluation before and after counts the calls as well as the answers."""
     from lppo.run.cli import run
 
     monkeypatch.syspath_prepend(str(EXAMPLE))  # smollm2_task and the calculator tool
-    config = yaml.safe_load((EXAMPLE / "multiturn.yaml").read_text())
-    config["trainer"].update(max_epochs=1, default_root_dir=str(tmp_path / "run"))
-    model = config["model"]
-    model["tokenizer_path"] = str(converted)
-    model["actor"]["init_args"]["model"]["init_args"]["pretrained_path"] = str(converted)
-    model["rollout"].update(prompts_per_iteration=2, samples_per_prompt=2)
+    config = _recipe("multiturn.yaml", converted, tmp_path / "run", iterations=1, held_out=4)
     path = tmp_path / "multiturn.yaml"
     path.write_text(yaml.safe_dump(config))
     threads = torch.get_num_threads()
@@ -246,17 +242,28 @@ def test_multiturn_example_calls_the_calculator(
     assert float(row["rollout/tool_calls_per_episode"]) >= 1  # the prefix opens a call
     assert float(row["rollout/observation_tokens_per_row"]) > 0
     assert float(row["rollout/turns_per_episode"]) >= 2
+    history = cli.model.run_log.evaluations["eval"]
+    assert [h["iteration"] for h in history] == [0, 1]
+    for entry in history:
+        assert entry["tool_calls_per_episode"] >= 1  # every held-out episode opens a call
+        calls = entry["tool_errors_per_episode"] + entry["tool_successes_per_episode"]
+        assert calls == pytest.approx(entry["tool_calls_per_episode"])
+    assert (tmp_path / "run" / "hf" / "policy" / "config.json").is_file()
 
 
-def _recipe(name: str, converted: Path, run_dir: Path) -> dict:
-    """``examples/smollm2/<name>``'s short form: 2 iterations of 8 samples, 12 held-out problems,
-    the model read from ``converted``, no checkpoint (1.6-3.2 GB), the export kept."""
+def _recipe(
+    name: str, converted: Path, run_dir: Path, iterations: int = 2, held_out: int = 12
+) -> dict:
+    """``examples/smollm2/<name>``'s short form: ``iterations`` of 8 samples, ``held_out``
+    problems evaluated after each, the model read from ``converted``, no checkpoint
+    (1.6-3.2 GB), the export kept."""
     config = yaml.safe_load((EXAMPLE / name).read_text())
     trainer, model = config["trainer"], config["model"]
-    trainer.update(max_epochs=2, default_root_dir=str(run_dir))
+    trainer.update(max_epochs=iterations, default_root_dir=str(run_dir))
     callbacks = {c["class_path"].rsplit(".", 1)[-1]: c for c in trainer["callbacks"]}
-    callbacks["Evaluation"]["init_args"].update(num_prompts=12, every_n_iterations=1)
-    callbacks["IterationCheckpoint"]["init_args"]["every_n_iterations"] = 1000
+    callbacks["Evaluation"]["init_args"].update(num_prompts=held_out, every_n_iterations=1)
+    if "IterationCheckpoint" in callbacks:
+        callbacks["IterationCheckpoint"]["init_args"]["every_n_iterations"] = 1000
     model["tokenizer_path"] = str(converted)
     model["actor"]["init_args"]["model"]["init_args"]["pretrained_path"] = str(converted)
     if model["critic"] is not None:
@@ -265,7 +272,7 @@ def _recipe(name: str, converted: Path, run_dir: Path) -> dict:
     return config
 
 
-@pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml"])
+@pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml", "multiturn.yaml"])
 def test_recipes_evaluate_on_the_other_side_of_the_partition(name: str) -> None:
     config = yaml.safe_load((EXAMPLE / name).read_text())
     train = config["model"]["task"]
@@ -279,8 +286,10 @@ def test_recipes_evaluate_on_the_other_side_of_the_partition(name: str) -> None:
     train["init_args"].pop("partial_weight", None)  # a shaping of the training reward only
     assert train["init_args"] == heldout["init_args"]
     settings = evaluation["init_args"]
-    assert settings["greedy"] and settings["at_start"] and settings["num_prompts"] >= 500
-    assert (config["model"]["critic"] is None) == (name == "grpo.yaml")
+    # a multi-turn evaluation runs up to 3 turns per problem, so it holds fewer problems
+    assert settings["num_prompts"] >= (128 if name == "multiturn.yaml" else 500)
+    assert settings["greedy"] and settings["at_start"]
+    assert (config["model"]["critic"] is None) == (name != "ppo.yaml")
 
 
 @needs_model

@@ -215,6 +215,37 @@ def test_at_start_evaluates_the_initial_policy_without_changing_training(
         }
 
 
+def test_a_multi_turn_evaluation_logs_its_episodes(tmp_path: Path) -> None:
+    """The entry carries the episode metrics of the very generation it scored."""
+    cli = run(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "multiturn.yaml"),
+            "--trainer.max_epochs=1",
+            "--model.rollout.prompts_per_iteration=4",
+            "--model.rollout.samples_per_prompt=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=lppo.callbacks.Evaluation",
+            f"--trainer.callbacks.num_prompts={EVAL_PROMPTS}",
+            "--trainer.callbacks.samples_per_prompt=1",
+            "--trainer.callbacks.greedy=true",
+        ]
+    )
+    evaluation = evaluation_of(cli)
+    (entry,) = evaluation.history
+    assert evaluation.prompts is not None
+    again = cli.model.rollout_source.evaluate(evaluation.prompts, 1, evaluation.seed, greedy=True)
+    assert again.output.episodes is not None and again.output.episodes.episodes == EVAL_PROMPTS
+    expected = again.output.episodes.metrics()
+    assert expected["turns_per_episode"] >= 1
+    for name, value in expected.items():
+        assert entry[name] == value or (math.isnan(entry[name]) and math.isnan(value)), name
+    with (Path(cli.trainer.logger.log_dir) / "metrics.csv").open() as f:
+        logged = [r for r in csv.DictReader(f) if r.get("eval/turns_per_episode")]
+    assert [float(r["eval/turns_per_episode"]) for r in logged] == [entry["turns_per_episode"]]
+
+
 class WalkingTask(CopyTask):
     """A stateful task: walks a fixed pool of prompts (the generator is ignored)."""
 
