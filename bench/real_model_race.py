@@ -42,9 +42,9 @@ each (``--heldout`` problems) is measured in this process, the same problems, de
 scoring for all, and the directory is deleted (``--keep-checkpoints`` keeps them).
 
 Variants: ``trl``; ``lppo-default`` (lppo's defaults on ``grpo.yaml``'s recipe); ``lppo``
-(``--lppo`` settings, :data:`FAST`). Goals (issue #46): ``lppo`` reaches TRL's final accuracy
-in ≤ 0.7× TRL's wall-clock, ends at or above it for the same samples, with peak memory at or
-below TRL's.
+(``--lppo`` settings, :data:`LEAN`: lean on memory). Goals (issue #46): ``lppo`` reaches TRL's
+final accuracy in ≤ 0.7× TRL's wall-clock, ends at or above it for the same samples, with peak
+memory at or below TRL's.
 """
 
 from __future__ import annotations
@@ -68,12 +68,14 @@ import trl_side_by_side as ppo_bench  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 TEMPLATE = "What is {a} {word} {b}? Answer with just the number."
-#: The fast run's lppo settings. ``rollback=0``: no per-step copy of the parameters and the
-#: AdamW state (3 × 135M floats, 1.6 GB, copied at every optimizer step). ``chunk_tokens=512``:
-#: training chunks of TRL's micro-batch (8 rows of ≤ 46 + 16 tokens), since a chunk's
-#: activations (about 1.2 MB per token over SmolLM2's 30 layers) set the peak: ``grpo.yaml``'s
-#: 2048-token chunks hold about 2.4 GB of them.
-FAST = ["rollback=0", "chunk_tokens=512"]
+#: The ``lppo`` variant's settings, chosen to keep lppo's peak memory below TRL's.
+#: ``rollback=0``: no per-step copy of the parameters and the AdamW state (3 × 135M floats,
+#: 1.6 GB, copied at every optimizer step). ``chunk_tokens=512``: training chunks of TRL's
+#: micro-batch (8 rows of ≤ 46 + 16 tokens), since a chunk's activations (about 1.2 MB per
+#: token over SmolLM2's 30 layers) set the peak: ``grpo.yaml``'s 2048-token chunks hold about
+#: 2.4 GB of them. Measured (docs/benchmarks/real-models.md): 3.9 GB peak against the
+#: defaults' 6.5 GB, at 7 % more time (smaller chunks, more passes).
+LEAN = ["rollback=0", "chunk_tokens=512"]
 
 
 def draw(split: str, n: int, seed: str) -> list[dict[str, Any]]:
@@ -187,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="training problems and both trainers")
     p.add_argument("--heldout-seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lppo", nargs="*", default=FAST, help="KEY=VALUE settings of 'lppo'")
+    p.add_argument("--lppo", nargs="*", default=LEAN, help="KEY=VALUE settings of 'lppo'")
     p.add_argument("--lppo-python", default=sys.executable, help="python of lppo's side")
     p.add_argument("--trl", nargs="*", default=[], help="KEY=VALUE settings of 'trl'")
     p.add_argument("--eval-batch", type=int, default=64)

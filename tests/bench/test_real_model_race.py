@@ -65,7 +65,7 @@ def test_spec_gives_both_sides_the_same_problems(tmp_path) -> None:
         assert json.load(f)["train"] == spec["train"]
     cmds = {v: race.command(v, args, path, "trl-python") for v in args.variants}
     assert all(cmd[2:4] == [path, os.path.join(str(tmp_path), v)] for v, cmd in cmds.items())
-    assert cmds["lppo"][4:] == race.FAST and cmds["lppo-default"][4:] == []
+    assert cmds["lppo"][4:] == race.LEAN and cmds["lppo-default"][4:] == []
 
 
 def test_budget_must_be_whole_iterations(tmp_path) -> None:
