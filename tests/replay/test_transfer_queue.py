@@ -317,6 +317,18 @@ def test_timeout_s_is_validated() -> None:
         TransferQueueReplayStore(timeout_s=0)
 
 
+def lingering(pids: list[int], grace_s: float) -> list[psutil.Process]:
+    """The processes of ``pids`` still there after waiting up to ``grace_s`` for them to end."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    return [p for p in alive if p.is_running()]
+
+
 def test_failed_fit_stops_everything_it_started_and_leaves_no_process(tmp_path: Path) -> None:
     """A fit with its own Ray + TransferQueue fails mid-actor-phase; then nothing is left."""
     temp_dir = tempfile.mkdtemp(prefix="lppo-", dir="/tmp")  # Ray's socket paths are short
@@ -334,7 +346,9 @@ def test_failed_fit_stops_everything_it_started_and_leaves_no_process(tmp_path: 
     assert {"ray::SimpleStorageUnit", "ray::Catalog"} <= names, names
     assert report["listening"] == ["127.0.0.1"]
     assert report["after"] == {} and not report["ray_initialized"]
-    # And none of them outlived the fit's process.
-    alive = [p for p in map(int, report["during"]) if psutil.pid_exists(p)]
-    assert [psutil.Process(p).status() for p in alive] in ([], ["zombie"] * len(alive))
+    # And none of them outlives the fit's process: each is gone (or a zombie) within a grace
+    # period, since a killed Ray process may still be tearing down when the fit returns on a
+    # loaded machine; one that keeps running is left behind and fails here.
+    still = lingering([int(p) for p in report["during"]], grace_s=30.0)
+    assert all(p.status() == psutil.STATUS_ZOMBIE for p in still), still
     shutil.rmtree(temp_dir, ignore_errors=True)
