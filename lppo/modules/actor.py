@@ -16,6 +16,7 @@ from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
+from lppo.modules.vocab import VocabChunk, check_vocab_chunk, resolve_vocab_chunk, sliced_head
 from lppo.stats import SumStats
 from lppo.types import ADVANTAGES, GEN_LOGPROBS, OLD_LOGPROBS, REF_LOGPROBS, Chunk
 from lppo.validation import SettingError, check_number
@@ -81,6 +82,15 @@ class ActorModule(PPOModule):
         lora: train LoRA adapters instead of the model (:mod:`lppo.modules.lora`, the
             ``[lora]`` extra): only adapters train and hold optimizer state; the reference is
             the model with adapters disabled; engines and export get the merged weights.
+        vocab_chunk: compute log-probabilities and entropy from the final hidden states and
+            the output projection this many vocabulary entries at a time, forward and backward
+            (:mod:`lppo.modules.vocab`): no ``[tokens, vocabulary]`` tensor is ever built, and
+            only positions predicting a response token are computed (0 elsewhere). Equal to
+            the materialized log-softmax to round-off. ``auto`` (the default): on wherever it
+            applies, slices sized to the chunk; off with a log line for models whose logits
+            are not a plain projection and for subclasses that override :meth:`logits`.
+            ``0``: the materialized log-softmax of every position (the reference path).
+            Also used by the reference, a copy of the actor.
         **kwargs: optimizer settings of :class:`~lppo.modules.PPOModule` (``lr``,
             ``weight_decay``, ``betas``, ``eps``, ``max_grad_norm``, ``loss_aggregation``,
             ``warmup_steps``, ``optimizer``, ``lr_scheduler``).
@@ -98,12 +108,14 @@ class ActorModule(PPOModule):
         off_policy: OffPolicyCorrection = OffPolicyCorrection(),
         trim_prompt: TrimSetting = "auto",
         lora: LoRA | None = None,
+        vocab_chunk: VocabChunk = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         key = self.config_key
         check_lora(lora, trim_prompt, key)
         check_number(f"{key}.entropy_coef", entropy_coef, low=0)
+        check_vocab_chunk(vocab_chunk, f"{key}.vocab_chunk")
         check_number(f"{key}.kl_loss_coef", kl_loss_coef, low=0, fix="0: no KL in the loss.")
         if kl_loss_kind not in ("k1", "k2", "k3"):
             raise SettingError(f"{key}.kl_loss_kind={kl_loss_kind!r}; use 'k1', 'k2' or 'k3'.")
@@ -123,6 +135,9 @@ class ActorModule(PPOModule):
         #: The ``trim_prompt`` argument; :attr:`trim_prompt` is what it resolved to at setup.
         self.trim_prompt_setting: TrimSetting = trim_prompt
         self.trim_prompt = False
+        #: The ``vocab_chunk`` argument; :attr:`vocab_chunk` is what it resolved to at setup.
+        self.vocab_chunk_setting: VocabChunk = vocab_chunk
+        self.vocab_chunk: VocabChunk = 0
         self.lora = lora
         self._merged: MergedPolicy | None = None
         self.temperature = 1.0
@@ -158,6 +173,16 @@ class ActorModule(PPOModule):
         shards = self.parallel.layout
         shards_name = type(shards).__name__ if shards.shards_weights() else None
         self.trim_prompt = resolve_trim(self.trim_prompt_setting, body, key, unfit, shards_name)
+        key = f"{self.config_key}.vocab_chunk"
+        self.vocab_chunk = resolve_vocab_chunk(
+            self.vocab_chunk_setting, self.model, key, self.unsliceable()
+        )
+
+    def unsliceable(self) -> str | None:
+        """Why this actor cannot use ``vocab_chunk`` whatever its model (``None``: it can)."""
+        if type(self).logits is not ActorModule.logits:
+            return f"{type(self).__name__} overrides logits(chunk)"
+        return None
 
     # ---------------------------------------------------------------- forward
     def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:
@@ -166,12 +191,17 @@ class ActorModule(PPOModule):
         ``start > 0`` (only with ``trim_prompt``) runs the trimmed forward of
         :mod:`lppo.modules.tail`.
         """
+        out = self._output(chunk, start)
+        # x / 1.0 == x exactly: skip a pass over [B, T, V] at the default temperature.
+        return out if self.temperature == 1.0 else out / self.temperature
+
+    def _output(self, chunk: Chunk, start: int) -> torch.Tensor:
+        """The model's ``logits`` output for the chunk (trimmed from ``start``), unscaled."""
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
         with trimmed(self.model.base_model, start):
             out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
-        # x / 1.0 == x exactly: skip a pass over [B, T, V] at the default temperature.
-        return out.logits if self.temperature == 1.0 else out.logits / self.temperature
+        return out.logits
 
     def token_logprobs(
         self, chunk: Chunk, with_entropy: bool = False
@@ -185,6 +215,8 @@ class ActorModule(PPOModule):
             both are 0 before the chunk's first response token too.
         """
         start = response_start(chunk.response_mask) if self.trim_prompt else 0
+        if self.vocab_chunk:
+            return self._sliced_logprobs(chunk, start, with_entropy)
         # A subclass's ``logits(chunk)`` without ``start`` is never trimmed (configure_model).
         logits = self.logits(chunk, start) if start else self.logits(chunk)
         logprobs, logp = shifted_logprobs(logits, chunk.input_ids[:, start:])
@@ -192,6 +224,25 @@ class ActorModule(PPOModule):
         if not with_entropy:
             return logprobs, None
         return logprobs, torch.nn.functional.pad(entropy_from_logprobs(logp), (start + 1, 0))
+
+    def _sliced_logprobs(
+        self, chunk: Chunk, start: int, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`token_logprobs` through :func:`~lppo.modules.vocab.sliced_head`."""
+        mask = chunk.response_mask[:, start + 1 :]
+        head = sliced_head(
+            self.model,  # type: ignore[arg-type]
+            chunk.input_ids[:, start + 1 :],
+            mask,
+            self.temperature,
+            self.vocab_chunk,
+            with_entropy,
+        )
+        with head:
+            packed = self._output(chunk, start)  # float[N, 2]: (log-prob, entropy) per position
+        placed = packed.new_zeros(*mask.shape, 2).masked_scatter(mask[..., None], packed)
+        logprobs, entropy = (torch.nn.functional.pad(x, (start + 1, 0)) for x in placed.unbind(-1))
+        return logprobs, entropy if with_entropy else None
 
     def policy(self) -> nn.Module:
         """The Hugging Face causal LM holding the current weights, for the rollout engine."""

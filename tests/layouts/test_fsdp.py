@@ -1,7 +1,8 @@
 """``ppo_fsdp`` (:class:`lppo.layouts.FSDPLayout`): FSDP2 shards, one process's results.
 
 Two gloo ranks with sharded models equal one process to float64 round-off: one optimizer
-step of the actor and of the critic (``tests/modules/dp_parity_worker.py``), and whole fits
+step of the actor (also sliced over the vocabulary, against the materialized log-softmax) and
+of the critic (``tests/modules/dp_parity_worker.py``), and whole fits
 (``tests/ddp_fit_worker.py``) with a critic and critic-free, under another chunk budget than
 the single process's; an aborted step leaves nothing behind (bitwise); a fit killed with
 SIGKILL and resumed from its last checkpoint ends bitwise where the uninterrupted fit ends;
@@ -43,6 +44,19 @@ def test_one_sharded_step_equals_one_process(role, tmp_path):
     assert dp["stats"]["stepped"]
     assert parity.rel_close(dp["stats"]["grad_norm"], single["stats"]["grad_norm"])
     assert dp["grad_names"] == single["grad_names"]  # `unused` stays gradient-free
+    for key, want in single["metrics"].items():
+        assert parity.rel_close(dp["metrics"][key], want), key
+    for name, want in single["after"].items():
+        parity.assert_tensors_close(dp["after"][name], want, name)
+
+
+def test_a_sharded_step_sliced_over_the_vocabulary_equals_one_materialized_process(tmp_path):
+    """``vocab_chunk`` under FSDP2 (the tied output projection gathered inside the model's
+    forward, 5 of 23 entries per slice) against one process's materialized log-softmax."""
+    dp = parity.launch("actor", tmp_path, "--layout=fsdp", "--vocab-chunk=5")
+    single = parity.worker.run_step("actor", world_size=1, rank=0, vocab_chunk=0)
+    assert dp["sharded"] > 0
+    assert parity.rel_close(dp["stats"]["grad_norm"], single["stats"]["grad_norm"])
     for key, want in single["metrics"].items():
         assert parity.rel_close(dp["metrics"][key], want), key
     for name, want in single["after"].items():

@@ -1,10 +1,10 @@
 """One rank of the data-parallel parity check (standalone script, also imported by the test).
 
 Run as ``python dp_parity_worker.py --rank R --world-size W --init-file F --out O --role R
-[--layout fsdp] [--abort-first]``: joins a gloo process group through ``file://F``, trains one
-optimizer step of the tiny float64
-actor or critic on this rank's share of the rows, and rank 0 ``torch.save``s the step's stats,
-metrics and the parameters before and after the step to ``O``.
+[--layout fsdp] [--abort-first] [--vocab-chunk N]``: joins a gloo process group through
+``file://F``, trains one optimizer step of the tiny float64 actor or critic on this rank's
+share of the rows, and rank 0 ``torch.save``s the step's stats, metrics and the parameters
+before and after the step to ``O``.
 
 The optimizer is plain SGD with ``lr=1`` and no clipping, so ``before - after`` is exactly the
 step's (all-reduced) gradient.
@@ -76,11 +76,13 @@ class Critic(GradNames, CriticModule):
     pass
 
 
-def build_module(role: str):
+def build_module(role: str, vocab_chunk: int = 0):
     """A fresh tiny float64 module with an SGD optimizer and no clipping.
 
-    It also holds a trainable parameter the loss never uses (like an untied LM head under a
-    critic): it must stay gradient-free, as in one process, so optimizers skip it.
+    The actor computes its log-probabilities materialized, or ``vocab_chunk`` vocabulary
+    entries at a time (:mod:`lppo.modules.vocab`). It also holds a trainable parameter the
+    loss never uses (like an untied LM head under a critic): it must stay gradient-free, as in
+    one process, so optimizers skip it.
     """
 
     def sgd(params):
@@ -93,7 +95,10 @@ def build_module(role: str):
             entropy_coef=0.01,
             max_grad_norm=None,
             optimizer=sgd,
+            vocab_chunk=vocab_chunk,
         )
+        module.configure_model()
+        assert module.vocab_chunk == vocab_chunk
         names = [OLD_LOGPROBS, ADVANTAGES]
     elif role == "critic":
         module = Critic(tiny_backbone(seed=0), value_clip=0.2, max_grad_norm=None, optimizer=sgd)
@@ -114,14 +119,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_step(
-    role: str, world_size: int, rank: int, layout: str = "ddp", abort_first: bool = False
+    role: str,
+    world_size: int,
+    rank: int,
+    layout: str = "ddp",
+    abort_first: bool = False,
+    vocab_chunk: int = 0,
 ) -> dict:
     """Train one step of ``role`` on this rank's chunks; return stats, metrics and parameters.
 
     ``layout="fsdp"`` shards the module's Hugging Face model with :class:`FSDPLayout`;
     ``abort_first`` trains every chunk of the step once and aborts before the real step.
     """
-    module, names = build_module(role)
+    module, names = build_module(role, vocab_chunk)
     if layout == "fsdp":
         parallel = FSDPLayout().context(world_size, rank)
         parallel.layout.prepare(module, parallel)
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", choices=("actor", "critic", "sweep"), required=True)
     parser.add_argument("--layout", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--abort-first", action="store_true")
+    parser.add_argument("--vocab-chunk", type=int, default=0)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -204,7 +215,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.role == "sweep":
             result = run_sweep(args.world_size, args.rank)
         else:
-            result = run_step(args.role, args.world_size, args.rank, args.layout, args.abort_first)
+            result = run_step(
+                args.role,
+                args.world_size,
+                args.rank,
+                args.layout,
+                args.abort_first,
+                args.vocab_chunk,
+            )
         torch.distributed.barrier()
         if args.rank == 0:
             torch.save(result, args.out)

@@ -24,8 +24,11 @@ TOK = build_char_tokenizer(TASK.vocabulary())
 @pytest.fixture(scope="module")
 def chunk_and_actor():
     ids = (len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
-    # untrimmed: the hook below perturbs the LM head's output at every position
-    actor = ActorModule(HFCausalLM(dtype="float64", seed=3), entropy_coef=0.01, trim_prompt=False)
+    # untrimmed and materialized: the hook below perturbs the LM head's output at every
+    # position (sliced, observation positions are not even computed: test_vocab.py)
+    actor = ActorModule(
+        HFCausalLM(dtype="float64", seed=3), entropy_coef=0.01, trim_prompt=False, vocab_chunk=0
+    )
     actor.configure_model(*ids)
     engine = MultiTurnEngine(
         HFGenerateEngine(), HiddenDigitEnvironment(max_calls=2), max_turns=3, max_tokens=24

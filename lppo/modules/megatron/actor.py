@@ -89,6 +89,13 @@ class MegatronActor(MegatronLifecycle, ActorModule):
         """The megatron DDP model (``None`` until ``configure_model``)."""
         return self.model
 
+    def unsliceable(self) -> str:
+        """``vocab_chunk`` does not apply: each tensor-parallel rank holds ``V / tp`` logits."""
+        return (
+            "MegatronActor splits the vocabulary across tensor-parallel ranks (each rank forms "
+            "only its [tokens, V / tp] logits; vocab_parallel_logprobs combines them)"
+        )
+
     def logits(self, chunk: Chunk) -> torch.Tensor:
         """Temperature-scaled logits of this rank's vocabulary slice, ``float[B, T, V / tp]``."""
         if self.model is None:

@@ -305,3 +305,13 @@ def test_groups_of_another_layout_or_size_are_refused_at_setup():
     with pytest.raises(SettingError, match=r"model\.actor\.init_args\.model\.init_args\.tensor"):
         module.parallel = ParallelContext(ProcessGroup(size=2, rank=0), layout=MegatronLayout())
     module.parallel = MegatronLayout().context(1, 0)  # megatron's own sizes: accepted
+
+
+def test_vocab_chunk_is_refused_with_the_reason_and_auto_stays_off():
+    """Megatron already splits the vocabulary over tensor-parallel ranks: an explicit
+    ``vocab_chunk`` is refused naming the key and why; ``auto`` resolves to off."""
+    from lppo.validation import SettingError
+
+    assert make("actor").vocab_chunk == 0
+    with pytest.raises(SettingError, match=r"vocab_chunk=64: MegatronActor splits the vocab"):
+        make("actor", vocab_chunk=64)
