@@ -197,8 +197,11 @@ def main() -> None:
     print(table(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {**vars(args), "json": str(args.json)},
-                                         "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"args": {**vars(args), "json": str(args.json)}, "results": results}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -234,9 +234,9 @@ def test_a_grpo_fit_in_64_true_trains_the_same_weights_sliced_or_not(tmp_path: P
 
 # ----------------------------------------------------------------------------- settings
 def test_auto_slices_fit_the_chunk():
-    assert slice_size("auto", 512, 151_936) == 4096
+    assert slice_size("auto", 512, 151_936) == 2048
     assert slice_size("auto", 1, 1024) == 1024
-    assert slice_size("auto", 1 << 20, 49_152) == 1024  # never below 1,024 entries
+    assert slice_size("auto", 1 << 20, 49_152) == 128  # never below 128 entries
     assert slice_size(100_000, 8, 50) == 50
 
 
