@@ -15,6 +15,8 @@ prompts. Settings (lppo's default where left out):
 - ``rollback``: ``1`` / ``0``, the actor's ``rollback_non_finite`` (a copy of parameters and
   optimizer state per step);
 - ``old_logprobs``: ``model.ppo.old_logprobs``; ``trim_prompt``: ``1`` / ``0``;
+- ``vocab_chunk``: the actor's ``vocab_chunk`` (``0``: the materialized log-softmax, lppo's
+  default before 2026-12-07; ``auto``; or entries per slice);
 - ``max_staleness``: asynchronous rollouts (``model.rollout.max_staleness``; the actor's
   ``off_policy: auto`` then truncates the importance weights at 2);
 - ``lora_r``, ``lora_alpha``: LoRA adapters on every linear layer of the blocks;
@@ -43,6 +45,7 @@ KNOWN = {
     "rollback",
     "old_logprobs",
     "trim_prompt",
+    "vocab_chunk",
     "max_staleness",
     "lora_r",
     "lora_alpha",
@@ -114,6 +117,9 @@ def actor_of(spec: dict[str, Any], opts: dict[str, str]) -> Any:
         kwargs["rollback_non_finite"] = opts["rollback"] == "1"
     if "trim_prompt" in opts:
         kwargs["trim_prompt"] = opts["trim_prompt"] == "1"
+    if "vocab_chunk" in opts:
+        value = opts["vocab_chunk"]
+        kwargs["vocab_chunk"] = value if value == "auto" else int(value)
     if "lora_r" in opts:
         r = int(opts["lora_r"])
         kwargs["lora"] = LoRA(r=r, alpha=float(opts.get("lora_alpha", 2 * r)))

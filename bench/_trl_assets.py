@@ -1,8 +1,9 @@
 """Shared inputs of the TRL side-by-side benchmark: tokenizer, models and prompts on disk.
 
 Both sides load exactly these files, so they train the same weights on the same tokens:
-a 1024-token word-level tokenizer (``w0 … w1019`` plus four special tokens), a random Llama
-policy (hidden 256, 4 layers, 4.7M parameters), a same-size critic and a random
+a word-level tokenizer (``w0 … w<V-5>`` plus four special tokens; ``V`` = 1,024 by default, or
+a real model's vocabulary size such as SmolLM2's 49,152), a random Llama policy (hidden 256,
+4 layers; 4.7M parameters at 1,024 entries, 29.9M at 49,152), a same-size critic and a random
 ``LlamaForSequenceClassification`` reward model, and the prompts of every setting as token ids.
 Runs in either virtual environment (only ``transformers`` and ``tokenizers`` are used).
 """
@@ -32,13 +33,13 @@ TRAINER_ARGS = dict(
 )
 
 
-def build_tokenizer(path: str) -> None:
+def build_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
     """A word-level fast tokenizer: ``"w5 w17"`` encodes to two ids, no special token added."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for i in range(VOCAB - len(SPECIALS)):
+    for i in range(vocab_size - len(SPECIALS)):
         vocab[f"w{i}"] = len(vocab)
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -54,11 +55,11 @@ def build_tokenizer(path: str) -> None:
     tok.save_pretrained(path)
 
 
-def llama_config(num_labels: int | None = None):
+def llama_config(num_labels: int | None = None, vocab_size: int = VOCAB):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS,
@@ -75,7 +76,7 @@ def llama_config(num_labels: int | None = None):
     return cfg
 
 
-def build_models(root: str) -> None:
+def build_models(root: str, vocab_size: int = VOCAB) -> None:
     """Random policy (causal LM), critic and reward model (sequence classifiers, 1 label)."""
     import torch
     import transformers
@@ -86,28 +87,37 @@ def build_models(root: str) -> None:
         ("reward", 2, transformers.LlamaForSequenceClassification),
     ):
         torch.manual_seed(seed)
-        model = cls(llama_config(None if name == "policy" else 1))
+        model = cls(llama_config(None if name == "policy" else 1, vocab_size))
         model.save_pretrained(os.path.join(root, name))
 
 
-def make_prompts(n: int, setup: str, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, setup: str, seed: int = 0, vocab_size: int = VOCAB) -> list[list[int]]:
     """``n`` prompts as token ids: 16 tokens each (``equal``) or 8–128 (``variable``)."""
     rng = random.Random(f"{setup}-{n}-{seed}")
     lengths = [16 if setup == "equal" else rng.randint(8, 128) for _ in range(n)]
-    return [[rng.randrange(len(SPECIALS), VOCAB) for _ in range(k)] for k in lengths]
+    return [[rng.randrange(len(SPECIALS), vocab_size) for _ in range(k)] for k in lengths]
 
 
-def build(root: str, sizes: list[int], setups: list[str]) -> None:
-    """Write tokenizer, models and ``prompts-<setup>-<n>.json`` under ``root`` (idempotent)."""
+def build(root: str, sizes: list[int], setups: list[str], vocab_size: int = VOCAB) -> None:
+    """Write tokenizer, models and ``prompts-<setup>-<n>.json`` under ``root`` (idempotent).
+
+    Raises:
+        ValueError: ``root`` already holds models of another vocabulary size.
+    """
     os.makedirs(root, exist_ok=True)
-    if not os.path.exists(os.path.join(root, "reward", "config.json")):
-        build_tokenizer(os.path.join(root, "tokenizer"))
-        build_models(root)
+    config = os.path.join(root, "reward", "config.json")
+    if not os.path.exists(config):
+        build_tokenizer(os.path.join(root, "tokenizer"), vocab_size)
+        build_models(root, vocab_size)
+    with open(config) as f:
+        held = json.load(f)["vocab_size"]
+    if held != vocab_size:
+        raise ValueError(f"{root} holds models of vocabulary {held}, not {vocab_size}: use --root")
     for setup in setups:
         for n in sizes:
             path = os.path.join(root, f"prompts-{setup}-{n}.json")
             with open(path, "w") as f:
-                json.dump(make_prompts(n, setup), f)
+                json.dump(make_prompts(n, setup, vocab_size=vocab_size), f)
 
 
 def load_prompts(root: str, setup: str, n: int) -> list[list[int]]:

@@ -6,6 +6,11 @@ Usage (from the repository root, with lppo's venv; the full measurement, for an 
     .venv/bin/python bench/trl_grpo_side_by_side.py --prompts 16 64 256 --variable-prompts 64 \\
         --iterations 4 --rounds 2 --json runs/bench/trl_grpo.json
 
+At a real vocabulary (SmolLM2's 49,152 entries; assets under ``/tmp/lppo-trl-bench-v49152``)::
+
+    .venv/bin/python bench/trl_grpo_side_by_side.py --vocab 49152 --prompts 64 \\
+        --setups equal --json runs/bench/trl_grpo_v49152.json
+
 A quick check (minutes)::
 
     .venv/bin/python bench/trl_grpo_side_by_side.py --prompts 16 --variable-prompts 16 \\
@@ -13,8 +18,9 @@ A quick check (minutes)::
 
 The script installs TRL 1.16.0 into its own virtual environment (``--trl-grpo-venv``, default
 ``.venv-trl-grpo``; with ``-c constraints.txt``, so torch stays the local 2.13.0 CPU build),
-writes the shared inputs once (``_trl_assets``: tokenizer, random 4.7M-parameter Llama policy,
-random reward model, prompts), then for every setting runs each variant in its own process;
+writes the shared inputs once (``_trl_assets``: tokenizer of ``--vocab`` entries, random Llama
+policy of hidden size 256 (4.7M parameters at 1,024 entries), random reward model, prompts),
+then for every setting runs each variant in its own process;
 the variants take turns iteration by iteration, the order reversed every round (``_turns``,
 ``trl_side_by_side.run_schedule``), and the report has the medians over the timed iterations
 (the first iteration of each process is a warm-up).
@@ -139,6 +145,7 @@ def write_json(path: str, results: dict, args: argparse.Namespace) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
+        "vocab": args.vocab,
         "trl": TRL_VERSION,
         "lppo_settings": args.lppo,
         "argv": sys.argv[1:],
@@ -163,12 +170,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk-tokens", type=int, default=640)
     p.add_argument("--lppo", nargs="*", default=TUNED_GRPO, help="KEY=VALUE settings of 'lppo'")
-    p.add_argument("--root", default="/tmp/lppo-trl-bench")
+    p.add_argument("--vocab", type=int, default=_trl_assets.VOCAB, help="tokenizer entries")
+    p.add_argument("--root", default=None, help="assets (default /tmp/lppo-trl-bench[-vV])")
     p.add_argument("--trl-grpo-venv", default=os.path.join(REPO, ".venv-trl-grpo"))
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "trl_grpo.json"))
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--schedule", choices=["turns", "alone"], default="turns")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.root is None:
+        tail = "" if args.vocab == _trl_assets.VOCAB else f"-v{args.vocab}"
+        args.root = f"/tmp/lppo-trl-bench{tail}"
+    return args
 
 
 def main() -> None:
@@ -181,7 +193,7 @@ def main() -> None:
         for s in args.setups
         for n in (args.prompts if s == "equal" else args.variable_prompts)
     ]
-    _trl_assets.build(args.root, sorted({n for _, n in settings}), args.setups)
+    _trl_assets.build(args.root, sorted({n for _, n in settings}), args.setups, args.vocab)
     started = time.time()
     results = {(s, n): run_setting(args, trl_python, s, n) for s, n in settings}
     print(

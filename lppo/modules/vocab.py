@@ -50,8 +50,8 @@ SLICEABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
 #: Elements of one ``[tokens, slice]`` block under ``auto`` (4 MiB in float32; forward and
 #: backward hold about five such blocks): small enough to stay in cache, which on a CPU makes
 #: the sliced forward and backward faster than the materialized one despite the recomputed
-#: logits (2 threads, 2,048 tokens × 151,936 entries: 3.0 s at 1 M elements, 3.6 s at 2 M,
-#: 7.7 s at 8 M, 5.7 s materialized).
+#: logits (``bench/real_vocab.py --head``: 2,048 tokens × 151,936 entries on 2 CPU threads,
+#: 3.6–4.0 s at 1 M elements, 7.7 s at 8 M, 5.8–6.1 s materialized).
 AUTO_ELEMENTS = 1 << 20
 #: The fewest entries ``auto`` puts in a slice (the matrix products' efficiency).
 AUTO_MIN_ENTRIES = 128

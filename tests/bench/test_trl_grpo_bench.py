@@ -25,3 +25,28 @@ def test_commands_ask_for_the_same_work() -> None:
     assert trl[-1] == "4" and "samples=4" in lppo and "estimator=grpo" in lppo
     assert trl[2:6] == lppo[2:6]
     assert not set(bench.TUNED_GRPO) & set(lppo)
+
+
+def test_a_real_vocabulary_setting_builds_its_own_assets(tmp_path) -> None:
+    """``--vocab`` gives both sides a tokenizer, models and prompts of that many entries, in
+    their own directory; a directory of another vocabulary is refused, not silently reused."""
+    import json
+
+    import _trl_assets
+    import pytest
+    import transformers
+
+    args = bench.parse_args(["--vocab", "49152"])
+    assert args.root == "/tmp/lppo-trl-bench-v49152"
+    assert bench.parse_args([]).root == "/tmp/lppo-trl-bench"
+    root = str(tmp_path / "assets")
+    _trl_assets.build(root, [3], ["equal"], vocab_size=300)
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(root, "tokenizer"))
+    assert len(tok) == 300
+    for name in ("policy", "reward"):
+        with open(os.path.join(root, name, "config.json")) as f:
+            assert json.load(f)["vocab_size"] == 300
+    prompts = _trl_assets.load_prompts(root, "equal", 3)
+    assert max(max(p) for p in prompts) < 300 and tok.decode(prompts[0]).split()[0][0] == "w"
+    with pytest.raises(ValueError, match="vocabulary 300, not 1024"):
+        _trl_assets.build(root, [3], ["equal"])

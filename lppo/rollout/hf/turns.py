@@ -55,7 +55,10 @@ def sample_turns(
     logprobs: list[list[float]] = [[] for _ in requests]
     ended = [False] * len(requests)
     active = [True] * len(requests)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    # Only the last position's logits are read: not a [rows, context, vocabulary] tensor.
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
     for _ in range(max(r.max_new_tokens for r in requests)):
         scores = process(ids, out.logits[:, -1, :].float())
         logp = torch.log_softmax(scores, dim=-1).cpu()
