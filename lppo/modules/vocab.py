@@ -184,7 +184,9 @@ class _SlicedLogprobs(torch.autograd.Function):
             new_m = top if lo == 0 else torch.maximum(m, top)
             d = z - new_m[:, None]
             e = d.exp()
-            shift = m - new_m  # ≤ 0; exp(shift) rescales the sums kept relative to the old m
+            # ≤ 0; exp(shift) rescales the sums kept relative to the old m. The first slice has
+            # no old m (exp(0 - top) could overflow and turn 0 · inf into NaN).
+            shift = m - new_m if lo else torch.zeros_like(top)
             rescale = shift.exp()
             if with_entropy:
                 t = rescale * (t + s * shift) + (e * d.clamp_min(floor)).sum(dim=-1)
@@ -222,9 +224,11 @@ class _SlicedLogprobs(torch.autograd.Function):
             span = slice(lo, hi)
             z = _slice_logits(hidden, weight, bias, low_rank, span, ctx.temperature, compute)
             p = (z - logz[:, None]).exp()
-            g = torch.zeros_like(z)
-            if g_entropy is not None:
-                g = -(g_entropy[:, None] * p * (z.clamp_min(floor) - mean_z[:, None]))
+            g = (
+                torch.zeros_like(z)
+                if g_entropy is None
+                else -(g_entropy[:, None] * p * (z.clamp_min(floor) - mean_z[:, None]))
+            )
             if g_logprob is not None:
                 g = g - g_logprob[:, None] * p
                 here = (targets >= lo) & (targets < hi)

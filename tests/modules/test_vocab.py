@@ -279,3 +279,19 @@ def test_a_subclass_that_overrides_logits_keeps_the_materialized_path():
     assert scaled.vocab_chunk == 0
     with pytest.raises(SettingError, match="Scaled overrides logits"):
         Scaled(llama(), vocab_chunk=64).configure_model()
+
+
+def test_a_first_slice_of_very_negative_logits_stays_finite():
+    """float32 logits near −200 in the first slice: ``exp(−m)`` would overflow there."""
+    from lppo.modules.vocab import sliced_logprobs
+
+    head = nn.Linear(8, 12)
+    with torch.no_grad():
+        head.bias[:4] = -200.0
+    hidden = torch.randn(5, 8, requires_grad=True)
+    targets = torch.tensor([0, 3, 5, 7, 11])
+    lp, ent = sliced_logprobs(hidden, head, targets, 1.0, 4)
+    logp = torch.log_softmax(head(hidden), dim=-1)
+    torch.testing.assert_close(lp, logp.gather(1, targets[:, None]).squeeze(1))
+    want = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(ent, want)
