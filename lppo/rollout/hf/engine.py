@@ -271,7 +271,7 @@ class HFGenerateEngine(RecordsInitArgs):
             eos_token_id=[] if sampling.ignore_eos else self.eos_token_id,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=greedy or multinomial,  # a GumbelSampler keeps its own
+            output_scores=greedy or multinomial,  # a GumbelSampler records its draws itself
             output_logits=self.return_policy_logprobs,
             use_cache=True,
             **kwargs,
