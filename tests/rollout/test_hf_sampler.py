@@ -44,10 +44,16 @@ def test_draws_follow_the_warped_softmax(settings, warper) -> None:
     probs = torch.softmax(expected.double(), dim=-1)[0]
     assert (freq - probs).abs().max() < 0.006, (freq, probs)
     assert freq[probs == 0].sum() == 0  # a token the warper removed is never drawn
-    assert torch.equal(sampler.scores[0][0], expected[0])  # the distribution drawn from
+    # it records each draw (generate's argmax) and its log-prob under the warped distribution
+    drawn = sampler.tokens[0]
+    assert torch.equal(torch.bincount(drawn, minlength=6).double() / 200_000, freq)
+    want = torch.log_softmax(expected, dim=-1)[0][drawn]
+    assert torch.equal(sampler.logprobs[0], want)
 
 
 def test_the_engine_samples_with_it_reproducibly_and_reports_its_scores(monkeypatch) -> None:
+    """Its log-probs are the warped distribution's at the drawn tokens; it keeps no
+    ``[rows, vocabulary]`` scores (``output_scores`` off)."""
     model = HFCausalLM(seed=0).build(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
     prompts = TASK.sample_prompts(6, random.Random(0))
     engine = HFGenerateEngine()
@@ -58,6 +64,7 @@ def test_the_engine_samples_with_it_reproducibly_and_reports_its_scores(monkeypa
 
     def spy(*args, **kwargs):
         calls.append(kwargs["generation_config"].do_sample)
+        assert not kwargs["generation_config"].output_scores
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
@@ -91,3 +98,23 @@ def test_a_model_asking_for_another_warper_keeps_generates_sampling(caplog) -> N
     assert len(out.completions) == 3
     plain = HFCausalLM(seed=0).build(len(TOK), TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
     assert gumbel_obstacles(plain.generation_config) == []
+
+
+def test_a_processor_after_the_sampler_is_caught_not_misreported() -> None:
+    """``picked`` checks generate's tokens against the draws up to each row's first EOS."""
+    sampler = GumbelSampler(RolloutSettings())
+    torch.manual_seed(0)
+    for _ in range(3):
+        sampler(torch.zeros((2, 1), dtype=torch.long), torch.randn(2, 5))
+    drawn = torch.stack(sampler.tokens, dim=1)
+    torch.testing.assert_close(sampler.picked(drawn, None), torch.stack(sampler.logprobs, 1))
+    eos = int(drawn[0, 0])
+    after = drawn.clone()
+    after[0, 1:] = (eos + 1) % 5  # padding after row 0's EOS: allowed
+    sampler.picked(after, eos)
+    changed = drawn.clone()
+    changed[1, 0] = (int(drawn[1, 0]) + 1) % 5  # before any EOS (id 99 never occurs)
+    with pytest.raises(RuntimeError, match="a logits processor ran after it"):
+        sampler.picked(changed, 99)
+    with pytest.raises(RuntimeError, match="a logits processor ran after it"):
+        sampler.picked(after, None)  # without a stop token nothing may differ

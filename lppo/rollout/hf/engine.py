@@ -271,7 +271,7 @@ class HFGenerateEngine(RecordsInitArgs):
             eos_token_id=[] if sampling.ignore_eos else self.eos_token_id,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=greedy or multinomial,  # a GumbelSampler keeps its own
+            output_scores=greedy or multinomial,  # a GumbelSampler records its draws itself
             output_logits=self.return_policy_logprobs,
             use_cache=True,
             **kwargs,
@@ -382,12 +382,15 @@ class HFGenerateEngine(RecordsInitArgs):
             )
         tokens = result.sequences[:, width:].cpu()
         # generate may run a step past the last token and drop it (a deferred stop check)
-        scores = result.scores if sampler is None else sampler.scores[: tokens.shape[1]]
-        if len(scores) != tokens.shape[1]:
-            raise RuntimeError(f"{len(scores)} score steps for {tokens.shape[1]} tokens")
+        eos, ignore_eos = self.eos_token_id, self.sampling.ignore_eos
+        if sampler is None:
+            if len(result.scores) != tokens.shape[1]:
+                raise RuntimeError(f"{len(result.scores)} score steps for {tokens.shape[1]} tokens")
+            sampled = picked_logprobs(result.scores, tokens)
+        else:
+            sampled = sampler.picked(tokens, None if ignore_eos else eos)
         policy = None
         if self.return_policy_logprobs:  # π at the temperature the actor scores with
             policy = picked_logprobs(result.logits, tokens, self.sampling.temperature)
-        logprobs = (picked_logprobs(scores, tokens), policy)
-        eos, ignore_eos = self.eos_token_id, self.sampling.ignore_eos
+        logprobs = (sampled, policy)
         return cut_samples(batch, tokens, logprobs, self.tokenizer, eos, ignore_eos)

@@ -53,19 +53,25 @@ def warpers(sampling: RolloutSettings) -> LogitsProcessorList:
 
 
 class GumbelSampler(LogitsProcessor):
-    """Warps the scores like ``generate``'s sampling, keeps them, and adds Gumbel noise.
+    """Warps the scores like ``generate``'s sampling, adds Gumbel noise, keeps each draw.
+
+    ``generate`` runs greedy over the scores this returns, so each step's token is their
+    argmax: the sampler records that token and its log-probability under the warped
+    distribution (``float32[B]`` per step), never the step's ``[B, V]`` scores (256 rows ×
+    64 steps × 49,152 entries would be 3.2 GB).
 
     Args:
         sampling: temperature, top-k and top-p (``model.rollout``).
 
     Attributes:
-        scores: the warped scores of every step, ``float32[B, V]`` each: the distribution the
-            step's token was drawn from.
+        tokens: each step's drawn tokens, ``int64[B]``.
+        logprobs: their log-probabilities under the warped scores, ``float32[B]``.
     """
 
     def __init__(self, sampling: RolloutSettings) -> None:
         self.warpers = warpers(sampling)
-        self.scores: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """Scores whose argmax is a sample of ``softmax(warped scores)``.
@@ -80,9 +86,41 @@ class GumbelSampler(LogitsProcessor):
             token the warpers removed stays at ``-inf``.
         """
         warped = self.warpers(input_ids, scores)
-        self.scores.append(warped)
         uniform = torch.rand(warped.shape, device=warped.device)
-        return warped - torch.log(-torch.log(uniform))  # type: ignore[return-value]
+        noised = warped - torch.log(-torch.log(uniform))
+        token = noised.argmax(dim=-1)
+        logp = torch.log_softmax(warped.float(), dim=-1).gather(1, token[:, None]).squeeze(1)
+        self.tokens.append(token)
+        self.logprobs.append(logp)
+        return noised  # type: ignore[return-value]
+
+    def picked(self, tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+        """The recorded log-probabilities of ``generate``'s tokens, ``float32[B, T]`` on CPU.
+
+        Args:
+            tokens: ``int64[B, T]``, the tokens ``generate`` returned.
+            eos_token_id: the stop token (``None``: rows never stop early).
+
+        Raises:
+            RuntimeError: a token before its row's first EOS is not the step's draw (a
+                processor ran after the sampler); after it, ``generate`` pads finished rows.
+        """
+        t = tokens.shape[1]
+        if len(self.tokens) < t:
+            raise RuntimeError(f"{len(self.tokens)} sampler steps for {t} tokens")
+        drawn = torch.stack(self.tokens[:t], dim=1).cpu()
+        logprobs = torch.stack(self.logprobs[:t], dim=1).cpu()
+        tokens = tokens.cpu()
+        differ = drawn != tokens
+        if eos_token_id is not None:
+            stopped = (tokens == eos_token_id).int().cumsum(dim=1)
+            differ &= (stopped - (tokens == eos_token_id).int()) == 0  # up to the first EOS
+        if bool(differ.any()):
+            raise RuntimeError(
+                "generate's tokens are not the GumbelSampler's draws: a logits processor ran "
+                "after it"
+            )
+        return logprobs
 
 
 def gumbel_obstacles(config: transformers.GenerationConfig) -> list[str]:
