@@ -21,7 +21,10 @@ default 4,096). Per case, in a fresh process each (one run each):
 
 ``materialized`` is ``vocab_chunk: 0`` (the log-softmax of ``[tokens, vocabulary]``);
 ``sliced`` is ``vocab_chunk: auto`` (the default). ``--mode ... "sliced ×4"`` adds the sliced
-path at 4 × the chunk budget (the memory it saved spent on larger chunks). Peak memory is the peak
+path at 4 × the chunk budget (the memory it saved spent on larger chunks); ``shared`` is
+``sliced`` with ``data.share_prompts`` on (each chunk computes a prompt once for the group's
+rows it holds; chunks planned in sample order), its × columns against ``sliced`` (per row;
+every other mode's against ``materialized``). Peak memory is the peak
 RSS above the baseline taken just before the phase (model, optimizer state and rows built);
 times are wall-clock. Prints a markdown table; ``--json`` writes the numbers.
 
@@ -54,11 +57,19 @@ from lppo.types import ADVANTAGES, INPUT_IDS, OLD_LOGPROBS, RESPONSE_MASK
 
 VOCABS = (49_152, 151_936)
 PROMPTS = (32, 256)
-MODES = {"materialized": (0, 1), "sliced": ("auto", 1), "sliced ×4": ("auto", 4)}
+#: mode -> (``vocab_chunk``, chunk budget × ``--chunk-tokens``, ``data.share_prompts``)
+MODES = {
+    "materialized": (0, 1, False),
+    "sliced": ("auto", 1, False),
+    "sliced ×4": ("auto", 4, False),
+    "shared": ("auto", 1, True),
+}
+#: what each mode's × column divides by
+BASELINE = {"shared": "sliced"}
 PHASES = ("actor", "score")
 
 
-def build_actor(vocab: int, setting: int | str) -> ActorModule:
+def build_actor(vocab: int, setting: int | str, share: bool = False) -> ActorModule:
     """The random Llama actor (seed 0) with ``vocab_chunk=setting``, built and resolved."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,6 +87,7 @@ def build_actor(vocab: int, setting: int | str) -> ActorModule:
     torch.manual_seed(0)
     actor = ActorModule(LlamaForCausalLM(config), vocab_chunk=setting, lr=1e-6)
     actor.configure_model()
+    actor.share_prompts = share
     return actor
 
 
@@ -98,11 +110,12 @@ def fill(vocab: int, prompt: int, prompts: int, samples: int, response: int) -> 
 def run_case(args: argparse.Namespace) -> dict:
     """One phase of one case in this process: its time and peak memory."""
     torch.set_num_threads(args.threads)
-    setting, scale = MODES[args.mode]
-    actor = build_actor(args.vocab, setting)
+    setting, scale, share = MODES[args.mode]
+    actor = build_actor(args.vocab, setting, share)
     store = fill(args.vocab, args.prompt, args.prompts, args.samples, args.response)
     budget = args.chunk_tokens * scale
-    planner = ChunkPlanner(DataSettings(budget, seed=0, drop_budget=len(store)))
+    settings = DataSettings(budget, seed=0, drop_budget=len(store))
+    planner = ChunkPlanner(settings, sample_order=share)
     plan = planner.plan(store.meta(), epoch=0, minibatches=1 if args.phase == "score" else 2)
     if args.phase == "actor":  # steady state: the optimizer's state exists, as from iteration 2
         step = plan.steps[0]
@@ -161,11 +174,11 @@ def table(results: list[dict]) -> str:
     key = {(r["vocab"], r["prompt"], r["mode"], r["phase"]): r for r in results}
     for vocab in sorted({r["vocab"] for r in results}):
         for prompt in sorted({r["prompt"] for r in results}):
-            base = {p: key.get((vocab, prompt, "materialized", p)) for p in PHASES}
             for mode in (m for m in MODES if any(r["mode"] == m for r in results)):
                 cells = []
                 for phase in PHASES:
-                    r, b = key.get((vocab, prompt, mode, phase)), base[phase]
+                    r = key.get((vocab, prompt, mode, phase))
+                    b = key.get((vocab, prompt, BASELINE.get(mode, "materialized"), phase))
                     if r is None or b is None:
                         cells += ["–"] * 4
                         continue

@@ -91,6 +91,36 @@ def random_rows(
     return cols
 
 
+def shared_prompt_rows(samples: list[int], seed: int) -> dict[str, list[torch.Tensor]]:
+    """Rows answering ``len(samples)`` prompts, prompt ``k`` ``samples[k]`` times, in order.
+
+    Prompts of 3 to 6 tokens, responses of 1 to 7 whose first token is trained and the rest
+    masked at random (holes, like tool observations); every column of :func:`random_rows`.
+    """
+    n = sum(samples)
+    cols = random_rows(n, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b = 0
+    for count in samples:
+        size = int(torch.randint(3, 7, (1,), generator=g))
+        prompt = torch.randint(3, VOCAB, (size,), generator=g)
+        for _ in range(count):
+            r = int(torch.randint(1, 8, (1,), generator=g))
+            response = torch.randint(3, VOCAB, (r,), generator=g)
+            mask = torch.cat(
+                [torch.zeros(len(prompt), dtype=torch.bool), torch.rand(r, generator=g) > 0.3]
+            )
+            mask[len(prompt)] = True
+            cols[INPUT_IDS][b] = torch.cat([prompt, response])
+            cols[RESPONSE_MASK][b] = mask
+            for name in (OLD_LOGPROBS, ADVANTAGES, VALUES, RETURNS):
+                x = torch.randn(len(mask), generator=g, dtype=torch.float64)
+                x = -x.abs() - 2.5 if name == OLD_LOGPROBS else x
+                cols[name][b] = torch.where(mask, x, torch.zeros_like(x))
+            b += 1
+    return cols
+
+
 def filled_store(cols: dict[str, list[torch.Tensor]]) -> MemoryReplayStore:
     store = MemoryReplayStore()
     n = len(cols[INPUT_IDS])

@@ -44,6 +44,10 @@ class ReplayDataModule(LightningDataModule):
         balance_ranks: after each rollout, move rows between data-parallel ranks so each
             holds about the same number of tokens (exact; see :mod:`lppo.iteration.balance`); not
             applied with ``fixed_rows_per_rank``.
+        share_prompts: rows that answer the same prompt compute it once in every forward over
+            a chunk, and chunks keep the sample order so a prompt's samples share chunks
+            (:mod:`lppo.modules.shared`; the same results to round-off). ``auto`` (the
+            default): on wherever every model of the run supports it (the run plan decides).
 
     Raises:
         ValueError: a bad setting, naming the key, the value and the fix.
@@ -59,6 +63,7 @@ class ReplayDataModule(LightningDataModule):
         seed: int = 0,
         max_tokens_per_score_chunk: int | Literal["auto"] | None = "auto",
         balance_ranks: bool = True,
+        share_prompts: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         # Built (and so validated) here, once: a bad ``data:`` value stops the run at setup.
@@ -70,6 +75,7 @@ class ReplayDataModule(LightningDataModule):
             shuffle=shuffle,
             seed=seed,
             balance_ranks=balance_ranks,
+            share_prompts=share_prompts,
         )
         self.store: ReplayStore = store if store is not None else MemoryReplayStore()
         self.group: ProcessGroup = SINGLE
@@ -113,6 +119,7 @@ class ReplayDataModule(LightningDataModule):
         rows_per_iteration: int | None = None,
         minibatches: int = 1,
         group: ProcessGroup = SINGLE,
+        share_prompts: bool = False,
     ) -> None:
         """Set up for a run: check the run's shape, build the planner, connect the store.
 
@@ -128,6 +135,8 @@ class ReplayDataModule(LightningDataModule):
             rows_per_iteration: rows each iteration puts into the store, when known.
             minibatches: the most optimizer steps per epoch any phase will ask for.
             group: the data-parallel process group the store is shared across.
+            share_prompts: ``data.share_prompts`` as the run plan decided it (chunks keep the
+                sample order).
 
         Raises:
             ValueError: naming the keys, the values and the fix (:meth:`DataSettings.check_run`).
@@ -139,7 +148,7 @@ class ReplayDataModule(LightningDataModule):
             rows_per_iteration=rows_per_iteration,
             minibatches=minibatches,
         )
-        self._planner = ChunkPlanner(self.settings, world_size=world_size, rank=rank)
+        self._planner = ChunkPlanner(self.settings, world_size, rank, sample_order=share_prompts)
         self.group = group
         self._store_closed = self._failed = False  # a new fit connects, so it closes, again
         self.store.connect(group)

@@ -41,11 +41,17 @@ class DataSettings:
             holds about the same number of tokens (:mod:`lppo.iteration.balance`; exact: every step
             trains the same rows, some on another rank). Not applied with
             ``fixed_rows_per_rank``, which fixes each rank's row count.
+        share_prompts: in every forward over a chunk (actor, reference, critic; scoring and
+            training), rows that answer the same prompt compute it once
+            (:mod:`lppo.modules.shared`), and chunks keep the iteration's sample order, so a
+            prompt's samples share chunks. The same results to round-off, less work.
+            ``auto`` (the default): on wherever every model of the run supports it, off with
+            a line in the run plan naming the reason.
     """
 
     #: The score phase's chunking is a speed knob (the planner is built at setup, so a resumed
     #: run uses the new budget; the scores are the same up to float round-off).
-    resume_safe: ClassVar[tuple[str, ...]] = ("max_tokens_per_score_chunk",)
+    resume_safe: ClassVar[tuple[str, ...]] = ("max_tokens_per_score_chunk", "share_prompts")
 
     max_tokens_per_chunk: int = 4096
     max_tokens_per_score_chunk: int | Literal["auto"] | None = "auto"
@@ -54,9 +60,14 @@ class DataSettings:
     shuffle: bool = True
     seed: int = 0
     balance_ranks: bool = True
+    share_prompts: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         """Raise ``SettingError`` naming the key, the value and the fix."""
+        if not isinstance(self.share_prompts, bool) and self.share_prompts != "auto":
+            raise SettingError(
+                f"data.share_prompts={self.share_prompts!r}; use auto (the default), true or false."
+            )
         if self.max_tokens_per_score_chunk != "auto":
             check_number(
                 "data.max_tokens_per_score_chunk",

@@ -7,7 +7,9 @@ Per epoch: invalid rows (no valid token) are filtered out and counted against th
 the valid rows are shuffled with a seed derived from ``(seed, phase, iteration, epoch)``, split
 into ``minibatches`` optimizer steps, and each step is packed into chunks whose padded size
 ``rows × longest row`` stays within ``max_tokens_per_chunk`` (rows sorted by length inside the
-step to keep padding low; the order of chunks inside a step does not change its gradient).
+step to keep padding low, or in the iteration's sample order when prompts are shared, so that
+a prompt's samples land in the same chunks; the order and make-up of chunks inside a step do
+not change its gradient).
 Under data parallelism each rank holds a contiguous block of the rows (``owners``: the rows it
 generated, re-cut to balance tokens by :mod:`lppo.iteration.balance`): a step's rows are
 the same as in one process (the shuffle runs over the iteration's sample order, whatever the
@@ -135,6 +137,8 @@ class ChunkPlanner:
             shuffle, seed), validated when they were built.
         world_size: data-parallel size.
         rank: this process's data-parallel rank.
+        sample_order: pack each step's rows in the iteration's sample order, not by length
+            (``data.share_prompts``: a prompt's samples are adjacent in that order).
 
     Attributes:
         max_tokens_per_chunk: padded-token budget of a chunk of a training pass.
@@ -145,9 +149,12 @@ class ChunkPlanner:
         ValueError: ``rank`` and ``world_size`` are inconsistent.
     """
 
-    def __init__(self, settings: DataSettings, world_size: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self, settings: DataSettings, world_size: int = 1, rank: int = 0, sample_order: bool = False
+    ) -> None:
         settings.check_run(world_size=world_size, rank=rank)
         self.settings = settings
+        self.sample_order = sample_order
         self.world_size = world_size
         self.rank = rank
         self.max_tokens_per_chunk = settings.max_tokens_per_chunk
@@ -320,16 +327,17 @@ class ChunkPlanner:
         )
 
     def _pack(self, rows: list[int], length: Sequence[int], budget: int) -> list[tuple[int, ...]]:
-        """Greedy packing of rows, longest first, so ``len(chunk) × longest ≤ budget``."""
-        ordered = sorted(rows, key=lambda i: -length[i])
+        """Greedy packing (longest first, or in sample order): ``rows × longest ≤ budget``."""
+        ordered = sorted(rows) if self.sample_order else sorted(rows, key=lambda i: -length[i])
         chunks: list[tuple[int, ...]] = []
         current: list[int] = []
+        longest = 0
         for i in ordered:
-            # Rows come longest first, so the chunk's first row sets its padded width.
-            if current and (len(current) + 1) * length[current[0]] > budget:
+            if current and (len(current) + 1) * max(longest, length[i]) > budget:
                 chunks.append(tuple(current))
-                current = []
+                current, longest = [], 0
             current.append(i)
+            longest = max(longest, length[i])
         if current:
             chunks.append(tuple(current))
         return chunks

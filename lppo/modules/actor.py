@@ -15,6 +15,13 @@ from lppo.algorithms.objectives import ClippedPPO, PolicyObjective
 from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
+from lppo.modules.shared import (
+    SharedPack,
+    forward_inputs,
+    output_index,
+    pack_or_none,
+    unshareable,
+)
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.modules.vocab import VocabChunk, check_vocab_chunk, resolve_vocab_chunk, sliced_head
 from lppo.stats import SumStats
@@ -139,6 +146,9 @@ class ActorModule(PPOModule):
         self.vocab_chunk_setting: VocabChunk = vocab_chunk
         self.vocab_chunk: VocabChunk = 0
         self.lora = lora
+        #: Whether forwards compute each prompt once per chunk (``data.share_prompts``, set by
+        #: the run plan: :func:`~lppo.modules.shared.resolve_share_prompts`).
+        self.share_prompts = False
         self._merged: MergedPolicy | None = None
         self.temperature = 1.0
         self.spec: HFCausalLM | None = None
@@ -180,9 +190,14 @@ class ActorModule(PPOModule):
 
     def unsliceable(self) -> str | None:
         """Why this actor cannot use ``vocab_chunk`` whatever its model (``None``: it can)."""
-        if type(self).logits is not ActorModule.logits:
-            return f"{type(self).__name__} overrides logits(chunk)"
-        return None
+        overridden = type(self).logits is not ActorModule.logits
+        return f"{type(self).__name__} overrides logits(chunk)" if overridden else None
+
+    def unshareable(self) -> str | None:
+        """Why this actor's forwards cannot share prompts (``None``: they can)."""
+        if (why := ActorModule.unsliceable(self)) or self.model is None:
+            return why or "the model is not built"
+        return unshareable(self.model)
 
     # ---------------------------------------------------------------- forward
     def logits(self, chunk: Chunk, start: int = 0) -> torch.Tensor:
@@ -191,16 +206,19 @@ class ActorModule(PPOModule):
         ``start > 0`` (only with ``trim_prompt``) runs the trimmed forward of
         :mod:`lppo.modules.tail`.
         """
-        out = self._output(chunk, start)
+        pack = pack_or_none(self.share_prompts, chunk)
+        out = self._output(chunk, start, pack)
+        out = out if pack is None else pack.take(out, start)
         # x / 1.0 == x exactly: skip a pass over [B, T, V] at the default temperature.
         return out if self.temperature == 1.0 else out / self.temperature
 
-    def _output(self, chunk: Chunk, start: int) -> torch.Tensor:
-        """The model's ``logits`` output for the chunk (trimmed from ``start``), unscaled."""
+    def _output(self, chunk: Chunk, start: int, pack: SharedPack | None) -> torch.Tensor:
+        """The model's ``logits`` (trimmed from ``start``, unscaled), over ``pack`` if given."""
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
+        inputs = forward_inputs(pack, chunk, self.model)
         with trimmed(self.model.base_model, start):
-            out = self.model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
+            out = self.model(**inputs)
         return out.logits
 
     def token_logprobs(
@@ -230,16 +248,18 @@ class ActorModule(PPOModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`token_logprobs` through :func:`~lppo.modules.vocab.sliced_head`."""
         mask = chunk.response_mask[:, start + 1 :]
+        pack = pack_or_none(self.share_prompts, chunk)
+        index = output_index(pack, tuple(chunk.input_ids.shape), start)[:, :-1].to(mask.device)
         head = sliced_head(
             self.model,  # type: ignore[arg-type]
-            chunk.input_ids[:, start + 1 :],
-            mask,
+            index[mask],
+            chunk.input_ids[:, start + 1 :][mask],
             self.temperature,
             self.vocab_chunk,
             with_entropy,
         )
-        with head:
-            packed = self._output(chunk, start)  # float[N, 2]: (log-prob, entropy) per position
+        with head:  # float[N, 2]: (log-prob, entropy) per position
+            packed = self._output(chunk, start, pack)
         placed = packed.new_zeros(*mask.shape, 2).masked_scatter(mask[..., None], packed)
         logprobs, entropy = (torch.nn.functional.pad(x, (start + 1, 0)) for x in placed.unbind(-1))
         return logprobs, entropy if with_entropy else None

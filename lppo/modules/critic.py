@@ -10,6 +10,7 @@ from torch import nn
 from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import LoRA, check_lora, is_adapted
+from lppo.modules.shared import forward_inputs, pack_or_none, unshareable
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.stats import SumStats
 from lppo.types import RETURNS, VALUES, Chunk
@@ -69,6 +70,9 @@ class CriticModule(PPOModule):
         #: The ``trim_prompt`` argument; :attr:`trim_prompt` is what it resolved to at setup.
         self.trim_prompt_setting: TrimSetting = trim_prompt
         self.trim_prompt = False
+        #: Whether forwards compute each prompt once per chunk (``data.share_prompts``, set by
+        #: the run plan: :func:`~lppo.modules.shared.resolve_share_prompts`).
+        self.share_prompts = False
         self.lora = lora
         given = isinstance(backbone, nn.Module)
         self.spec: HFCausalLM | None = None if given else backbone  # type: ignore[assignment]
@@ -108,6 +112,12 @@ class CriticModule(PPOModule):
             head = self.make_value_head(int(self.backbone.config.hidden_size))
             self.value_head = head.to(dtype=param.dtype, device=param.device)
 
+    def unshareable(self) -> str | None:
+        """Why this critic's forwards cannot share prompts (``None``: they can)."""
+        if type(self).values is not CriticModule.values:
+            return f"{type(self).__name__} overrides values(chunk)"
+        return "the backbone is not built" if self.backbone is None else unshareable(self.backbone)
+
     def make_value_head(self, hidden_size: int) -> nn.Module:
         """The value head, mapping ``[..., hidden_size]`` to ``[..., 1]``; override to change it.
 
@@ -127,20 +137,19 @@ class CriticModule(PPOModule):
         if self.backbone is None or self.value_head is None:
             raise RuntimeError("critic backbone not built: call configure_model() first.")
         start = response_start(chunk.response_mask) if self.trim_prompt else 0
+        pack = pack_or_none(self.share_prompts, chunk)
+        inputs = forward_inputs(pack, chunk, self.backbone)
         if start:
             body = self.backbone.base_model
             with trimmed(body, start):
-                out = body(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
+                out = body(**inputs)
             hidden = out.last_hidden_state  # positions start … T - 1
         else:
-            out = self.backbone(
-                input_ids=chunk.input_ids,
-                attention_mask=chunk.attention_mask.long(),
-                output_hidden_states=True,
-            )
+            out = self.backbone(**inputs, output_hidden_states=True)
             hidden = getattr(out, "last_hidden_state", None)
             if hidden is None:
                 hidden = out.hidden_states[-1]
+        hidden = hidden if pack is None else pack.take(hidden, start)
         v = self.value_head(hidden[:, :-1]).squeeze(-1)
         return torch.nn.functional.pad(v, (start + 1, 0))
 

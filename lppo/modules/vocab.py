@@ -300,24 +300,24 @@ class SlicedHead(nn.Module):
     def __init__(
         self,
         head: nn.Module,
+        index: torch.Tensor,
         targets: torch.Tensor,
-        mask: torch.Tensor,
         temperature: float,
         setting: VocabChunk,
         with_entropy: bool,
     ) -> None:
         super().__init__()
         self._head = [head]  # a list: not a submodule (no second name for its weights)
-        self.targets, self.mask = targets, mask
+        self.index, self.targets = index, targets
         self.temperature, self.setting, self.with_entropy = temperature, setting, with_entropy
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden``: ``float[B, T', H]``; position ``j`` predicts ``targets[:, j]``."""
-        rows = hidden[:, :-1][self.mask]
+        """``hidden``: ``float[..., H]``; its position ``index[n]`` predicts ``targets[n]``."""
+        rows = hidden.reshape(-1, hidden.shape[-1])[self.index.to(hidden.device)]
         logprobs, entropy = sliced_logprobs(
             rows,
             self._head[0],
-            self.targets[self.mask],
+            self.targets.to(hidden.device),
             self.temperature,
             self.setting,
             self.with_entropy,
@@ -328,8 +328,8 @@ class SlicedHead(nn.Module):
 @contextmanager
 def sliced_head(
     model: nn.Module,
+    index: torch.Tensor,
     targets: torch.Tensor,
-    mask: torch.Tensor,
     temperature: float,
     setting: VocabChunk,
     with_entropy: bool = True,
@@ -341,15 +341,16 @@ def sliced_head(
 
     Args:
         model: a causal LM that passed :func:`unsliceable` (PEFT-wrapped or not).
-        targets: ``int64[B, T' - 1]``, the token each position of the body's output predicts.
-        mask: ``bool[B, T' - 1]``, the positions to score.
+        index: ``int64[N]``, the positions to score, in the body's output flattened over
+            every dimension but the last.
+        targets: ``int64[N]``, the token each of them predicts.
         temperature: the sampling temperature.
         setting: the resolved ``vocab_chunk`` (not 0).
         with_entropy: compute the entropy (else its column is zeros).
     """
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = hf.get_output_embeddings()
-    hf.set_output_embeddings(SlicedHead(head, targets, mask, temperature, setting, with_entropy))
+    hf.set_output_embeddings(SlicedHead(head, index, targets, temperature, setting, with_entropy))
     try:
         yield
     finally:

@@ -16,7 +16,8 @@ and decides, in this order:
    (the actor's first epoch, the engine, or a separate pass), at the run's final dtype; then
    every column a phase reads must have a writer;
 4. the actor's off-policy correction for stale rows;
-5. the score-chunk budget.
+5. the score-chunk budget;
+6. ``data.share_prompts`` against every model that runs over chunks.
 
 Components that resolve an ``auto`` against what only they hold report it through
 :func:`lppo.decisions.note`, once each: a module's ``trim_prompt`` against its body and the
@@ -46,6 +47,7 @@ from lppo.iteration.data_settings import DataSettings
 from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
 from lppo.layouts.base import ParallelContext
 from lppo.modules import ActorModule, CriticModule
+from lppo.modules.shared import decide as decide_share_prompts
 from lppo.replay.base import ReplayStore, ray_cpus_of
 from lppo.rollout.base import RolloutEngine, RolloutSettings
 from lppo.rollout.capabilities import capabilities_of
@@ -112,12 +114,15 @@ class RunPlan:
         runner: where rollouts are generated.
         score_chunk_tokens: the score phase's padded-token budget per chunk.
         decisions: every decision, in the order made (components add theirs while wired).
+        share_prompts: ``data.share_prompts`` decided (the modules are told, the planner is
+            built with it).
     """
 
     ppo: PPOConfig
     runner: RolloutRunner
     score_chunk_tokens: int
     decisions: list[Decision] = field(default_factory=list)
+    share_prompts: bool = False
 
     @classmethod
     def resolve(cls, parts: RunParts) -> RunPlan:
@@ -143,7 +148,9 @@ class RunPlan:
         setting = str(parts.data.max_tokens_per_score_chunk)
         note("data.max_tokens_per_score_chunk", str(score), why, setting)
         note("trainer.strategy", parts.strategy, type(layout).__name__, setting="")
-        return cls(ppo, runner, score)
+        modules = (parts.actor, parts.critic, parts.reference)
+        share = decide_share_prompts(parts.data.share_prompts, modules)
+        return cls(ppo, runner, score, share_prompts=share)
 
     def final(self) -> list[Decision]:
         """Each key's last decision, in the order keys were first decided.

@@ -218,6 +218,7 @@ class PPOSystem(LightningModule):
             rows_per_iteration=r.rows_per_iteration,
             minibatches=max(self.ppo.actor_minibatches, self.ppo.critic_minibatches),
             group=parallel.data,
+            share_prompts=plan.share_prompts,
         )
         self.controller = PPOController(
             self.actor,

@@ -63,6 +63,17 @@ def test_a_sharded_step_sliced_over_the_vocabulary_equals_one_materialized_proce
         parity.assert_tensors_close(dp["after"][name], want, name)
 
 
+def test_a_sharded_step_sharing_prompts_equals_one_process_per_row(tmp_path):
+    """``data.share_prompts`` under FSDP2: the packed rows and their 4-D mask go through the
+    sharded model's own forward."""
+    dp = parity.launch("actor", tmp_path, "--layout=fsdp", "--share")
+    single = parity.worker.run_step("actor", world_size=1, rank=0, shared=False)
+    assert dp["sharded"] > 0
+    assert parity.rel_close(dp["stats"]["grad_norm"], single["stats"]["grad_norm"])
+    for name, want in single["after"].items():
+        parity.assert_tensors_close(dp["after"][name], want, name)
+
+
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_an_aborted_sharded_step_leaves_nothing_behind(role, tmp_path):
     """Chunks trained and aborted (FSDP holding unsharded partial gradients), then the step:

@@ -1,7 +1,7 @@
 """One rank of the data-parallel parity check (standalone script, also imported by the test).
 
 Run as ``python dp_parity_worker.py --rank R --world-size W --init-file F --out O --role R
-[--layout fsdp] [--abort-first] [--vocab-chunk N]``: joins a gloo process group through
+[--layout fsdp] [--abort-first] [--vocab-chunk N] [--share]``: joins a gloo process group through
 ``file://F``, trains one optimizer step of the tiny float64 actor or critic on this rank's
 share of the rows, and rank 0 ``torch.save``s the step's stats, metrics and the parameters
 before and after the step to ``O``.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 from pathlib import Path
 
@@ -23,7 +24,13 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
-from _builders import filled_store, random_rows, tiny_backbone, tiny_lm  # noqa: E402
+from _builders import (  # noqa: E402
+    filled_store,
+    random_rows,
+    shared_prompt_rows,
+    tiny_backbone,
+    tiny_lm,
+)
 from _objective_sweep import NAMES as SWEEP_NAMES  # noqa: E402
 from _objective_sweep import combos, sweep_store  # noqa: E402
 
@@ -43,20 +50,26 @@ PLAN_SEED = 3
 SGD_LR = 1.0
 
 
-def rows() -> dict[str, list[torch.Tensor]]:
-    """The step's rows: identical in every process (no row shorter than half the longest)."""
+def rows(shared: bool = False) -> dict[str, list[torch.Tensor]]:
+    """The step's rows: identical in every process (no row shorter than half the longest).
+
+    ``shared``: two prompts answered 3 and 2 times (:func:`_builders.shared_prompt_rows`).
+    """
+    if shared:
+        return shared_prompt_rows([3, 2], DATA_SEED)
     return random_rows(N_ROWS, DATA_SEED, min_len=8, max_len=14)
 
 
-def budget() -> int:
-    """A chunk budget of exactly the longest row: one row per chunk, so 5 chunks over 2 ranks."""
-    return max(len(t) for t in rows()["input_ids"])
+def budget(shared: bool = False) -> int:
+    """The longest row: one row per chunk, so 5 chunks over 2 ranks (``shared``: up to 3)."""
+    return max(len(t) for t in rows(shared)["input_ids"]) * (3 if shared else 1)
 
 
-def plan_step(world_size: int, rank: int):
-    """The (single) step plan of ``rank`` out of ``world_size``."""
-    store = filled_store(rows())
-    planner = ChunkPlanner(DataSettings(budget(), seed=PLAN_SEED), world_size=world_size, rank=rank)
+def plan_step(world_size: int, rank: int, shared: bool = False):
+    """The (single) step plan of ``rank`` out of ``world_size`` (``shared``: sample order)."""
+    store = filled_store(rows(shared))
+    settings = DataSettings(budget(shared), seed=PLAN_SEED)
+    planner = ChunkPlanner(settings, world_size, rank, sample_order=shared)
     [step] = planner.plan(store.meta(), epoch=0, minibatches=1).steps
     return store, step
 
@@ -125,20 +138,24 @@ def run_step(
     layout: str = "ddp",
     abort_first: bool = False,
     vocab_chunk: int = 0,
+    shared: bool | None = None,
 ) -> dict:
     """Train one step of ``role`` on this rank's chunks; return stats, metrics and parameters.
 
     ``layout="fsdp"`` shards the module's Hugging Face model with :class:`FSDPLayout`;
     ``abort_first`` trains every chunk of the step once and aborts before the real step.
+    ``shared``: the rows of :func:`rows` ``(shared=True)``, with prompts shared (``True``) or
+    per row (``False``).
     """
     module, names = build_module(role, vocab_chunk)
+    module.share_prompts = bool(shared)
     if layout == "fsdp":
         parallel = FSDPLayout().context(world_size, rank)
         parallel.layout.prepare(module, parallel)
     else:
         parallel = ParallelContext.from_default_group()
     module.parallel = parallel
-    store, step = plan_step(world_size, rank)
+    store, step = plan_step(world_size, rank, shared is not None)
     before = whole(module)
     if abort_first:
         module.begin(step)
@@ -202,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--abort-first", action="store_true")
     parser.add_argument("--vocab-chunk", type=int, default=0)
+    parser.add_argument("--share", action="store_true")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -222,10 +240,16 @@ def main(argv: list[str] | None = None) -> None:
                 args.layout,
                 args.abort_first,
                 args.vocab_chunk,
+                True if args.share else None,
             )
-        torch.distributed.barrier()
         if args.rank == 0:
             torch.save(result, args.out)
+        # FSDP's modules hold the process group through their device mesh in reference cycles:
+        # collected here, while every rank still runs, not at interpreter exit, where gloo's
+        # teardown against a peer that already left ended rank 1 with SIGABRT (1 CI run in ~20).
+        del result
+        gc.collect()
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 

@@ -100,6 +100,21 @@ def test_ranks_get_uneven_real_chunks():
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
+def test_two_ranks_sharing_prompts_match_one_process_per_row(role, tmp_path):
+    """Two prompts answered 3 and 2 times, chunks of up to 3 rows in sample order, dealt over
+    2 ranks; each rank's chunks share their prompts (``data.share_prompts``)."""
+    plans = [worker.plan_step(WORLD_SIZE, r, shared=True)[1] for r in range(WORLD_SIZE)]
+    assert any(len(c) > 1 for p in plans for c in p.chunks)  # something to share
+    dp = launch(role, tmp_path, "--share")
+    single = worker.run_step(role, world_size=1, rank=0, shared=False)
+    assert rel_close(dp["stats"]["grad_norm"], single["stats"]["grad_norm"])
+    for key, want in single["metrics"].items():
+        assert rel_close(dp["metrics"][key], want), key
+    for name, want in single["after"].items():
+        assert_tensors_close(dp["after"][name], want, name)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
 def test_two_ranks_match_one_process(role, tmp_path):
     dp = launch(role, tmp_path)
     single = worker.run_step(role, world_size=1, rank=0)

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from lppo.modules.actor import ActorModule
-from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs, untrimmed
+from lppo.modules.megatron.lifecycle import (
+    MEGATRON_UNSHAREABLE,
+    MegatronLifecycle,
+    causal_inputs,
+    untrimmed,
+)
 from lppo.modules.megatron.model import MegatronGPT
 from lppo.modules.megatron.ops import vocab_parallel_logprobs
 from lppo.types import Chunk
@@ -95,6 +100,10 @@ class MegatronActor(MegatronLifecycle, ActorModule):
             "MegatronActor splits the vocabulary across tensor-parallel ranks (each rank forms "
             "only its [tokens, V / tp] logits; vocab_parallel_logprobs combines them)"
         )
+
+    def unshareable(self) -> str:
+        """``data.share_prompts`` does not apply: megatron's GPTModel builds its own mask."""
+        return MEGATRON_UNSHAREABLE
 
     def logits(self, chunk: Chunk) -> torch.Tensor:
         """Temperature-scaled logits of this rank's vocabulary slice, ``float[B, T, V / tp]``."""

@@ -7,7 +7,12 @@ from typing import Any
 import torch
 
 from lppo.modules.critic import CriticModule
-from lppo.modules.megatron.lifecycle import MegatronLifecycle, causal_inputs, untrimmed
+from lppo.modules.megatron.lifecycle import (
+    MEGATRON_UNSHAREABLE,
+    MegatronLifecycle,
+    causal_inputs,
+    untrimmed,
+)
 from lppo.modules.megatron.model import MegatronGPT
 from lppo.types import Chunk
 
@@ -56,6 +61,10 @@ class MegatronCritic(MegatronLifecycle, CriticModule):
         self.backbone = spec.build(
             vocab_size, pad_token_id, bos_token_id, eos_token_id, value_head=self.make_value_head
         )
+
+    def unshareable(self) -> str:
+        """``data.share_prompts`` does not apply: megatron's GPTModel builds its own mask."""
+        return MEGATRON_UNSHAREABLE
 
     def values(self, chunk: Chunk) -> torch.Tensor:
         """Value predictions ``float[B, T]`` (0 at position 0), with grad."""

@@ -68,6 +68,12 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
+#: Why megatron modules cannot share prompts (``data.share_prompts``).
+MEGATRON_UNSHAREABLE = (
+    "megatron's GPTModel builds its own causal mask and positions (no 4-D mask input)"
+)
+
+
 def untrimmed(kwargs: dict[str, Any], key: str, name: str) -> dict[str, Any]:
     """``kwargs`` with ``trim_prompt`` off: megatron runs its own forward, not HF's blocks.
 
