@@ -179,14 +179,14 @@ def table(results: list[dict]) -> str:
                 for phase in PHASES:
                     r = key.get((vocab, prompt, mode, phase))
                     b = key.get((vocab, prompt, BASELINE.get(mode, "materialized"), phase))
-                    if r is None or b is None:
+                    if r is None:
                         cells += ["–"] * 4
                         continue
                     cells += [
                         f"{r['seconds']:.1f}",
-                        f"{r['seconds'] / b['seconds']:.2f}",
+                        f"{r['seconds'] / b['seconds']:.2f}" if b else "–",
                         f"{r['peak_mib']:.0f}",
-                        f"{r['peak_mib'] / max(b['peak_mib'], 1e-9):.2f}",
+                        f"{r['peak_mib'] / max(b['peak_mib'], 1e-9):.2f}" if b else "–",
                     ]
                 lines.append(f"| {vocab:,} | {prompt} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

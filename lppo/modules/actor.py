@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,13 +17,7 @@ from lppo.algorithms.objectives import ClippedPPO, PolicyObjective
 from lppo.algorithms.off_policy import OffPolicyCorrection, importance_weights
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import AdapterFreeReference, LoRA, MergedPolicy, check_lora, is_adapted
-from lppo.modules.shared import (
-    SharedPack,
-    forward_inputs,
-    output_index,
-    pack_or_none,
-    unshareable,
-)
+from lppo.modules.shared import pack_or_none, unshareable
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.modules.vocab import VocabChunk, check_vocab_chunk, resolve_vocab_chunk, sliced_head
 from lppo.stats import SumStats
@@ -207,18 +203,23 @@ class ActorModule(PPOModule):
         :mod:`lppo.modules.tail`.
         """
         pack = pack_or_none(self.share_prompts, chunk)
-        out = self._output(chunk, start, pack)
-        out = out if pack is None else pack.take(out, start)
+        if pack is None:
+            out = self._output(chunk, start)
+        else:  # computed whole (no trimming), read back from position ``start``
+            out = pack.take(*(o.logits for o in pack.forward(self._model())))[:, start:]
         # x / 1.0 == x exactly: skip a pass over [B, T, V] at the default temperature.
         return out if self.temperature == 1.0 else out / self.temperature
 
-    def _output(self, chunk: Chunk, start: int, pack: SharedPack | None) -> torch.Tensor:
-        """The model's ``logits`` (trimmed from ``start``, unscaled), over ``pack`` if given."""
+    def _model(self) -> nn.Module:
         if self.model is None:
             raise RuntimeError("actor model not built: call configure_model() first.")
-        inputs = forward_inputs(pack, chunk, self.model)
-        with trimmed(self.model.base_model, start):
-            out = self.model(**inputs)
+        return self.model
+
+    def _output(self, chunk: Chunk, start: int) -> torch.Tensor:
+        """The model's ``logits`` output for the chunk (trimmed from ``start``), unscaled."""
+        model = self._model()
+        with trimmed(model.base_model, start):
+            out = model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
         return out.logits
 
     def token_logprobs(
@@ -247,22 +248,28 @@ class ActorModule(PPOModule):
         self, chunk: Chunk, start: int, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`token_logprobs` through :func:`~lppo.modules.vocab.sliced_head`."""
+        if (pack := pack_or_none(self.share_prompts, chunk)) is not None:
+            head = functools.partial(self._head, with_entropy=with_entropy)
+            logprobs, entropy = pack.scores(
+                self._model(), chunk.input_ids, chunk.response_mask, head
+            )
+            return logprobs, entropy if with_entropy else None
         mask = chunk.response_mask[:, start + 1 :]
-        pack = pack_or_none(self.share_prompts, chunk)
-        index = output_index(pack, tuple(chunk.input_ids.shape), start)[:, :-1].to(mask.device)
-        head = sliced_head(
-            self.model,  # type: ignore[arg-type]
-            index[mask],
-            chunk.input_ids[:, start + 1 :][mask],
-            self.temperature,
-            self.vocab_chunk,
-            with_entropy,
-        )
-        with head:  # float[N, 2]: (log-prob, entropy) per position
-            packed = self._output(chunk, start, pack)
+        b, t = mask.shape  # position j of row b of the body's [B, T - start] output
+        index = torch.arange(b * (t + 1), device=mask.device).view(b, t + 1)[:, :-1]
+        targets = chunk.input_ids[:, start + 1 :][mask]
+        with self._head(index[mask], targets, with_entropy):  # float[N, 2]: log-prob, entropy
+            packed = self._output(chunk, start)
         placed = packed.new_zeros(*mask.shape, 2).masked_scatter(mask[..., None], packed)
         logprobs, entropy = (torch.nn.functional.pad(x, (start + 1, 0)) for x in placed.unbind(-1))
         return logprobs, entropy if with_entropy else None
+
+    def _head(
+        self, index: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+    ) -> AbstractContextManager[None]:
+        """The vocabulary-sliced head scoring ``targets`` at the body's outputs ``index``."""
+        model = self._model()
+        return sliced_head(model, index, targets, self.temperature, self.vocab_chunk, with_entropy)
 
     def policy(self) -> nn.Module:
         """The Hugging Face causal LM holding the current weights, for the rollout engine."""

@@ -10,7 +10,7 @@ from torch import nn
 from lppo.algorithms.losses import value_loss
 from lppo.modules.lifecycle import PPOModule
 from lppo.modules.lora import LoRA, check_lora, is_adapted
-from lppo.modules.shared import forward_inputs, pack_or_none, unshareable
+from lppo.modules.shared import pack_or_none, unshareable
 from lppo.modules.tail import TrimSetting, resolve_trim, response_start, trimmed
 from lppo.stats import SumStats
 from lppo.types import RETURNS, VALUES, Chunk
@@ -138,18 +138,22 @@ class CriticModule(PPOModule):
             raise RuntimeError("critic backbone not built: call configure_model() first.")
         start = response_start(chunk.response_mask) if self.trim_prompt else 0
         pack = pack_or_none(self.share_prompts, chunk)
-        inputs = forward_inputs(pack, chunk, self.backbone)
-        if start:
+        if pack is not None:  # computed whole (no trimming)
+            start = 0
+            outs = pack.forward(self.backbone, output_hidden_states=True)
+            hidden = pack.take(*(_last_hidden(out) for out in outs))
+        elif start:
             body = self.backbone.base_model
             with trimmed(body, start):
-                out = body(**inputs)
+                out = body(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask.long())
             hidden = out.last_hidden_state  # positions start … T - 1
         else:
-            out = self.backbone(**inputs, output_hidden_states=True)
-            hidden = getattr(out, "last_hidden_state", None)
-            if hidden is None:
-                hidden = out.hidden_states[-1]
-        hidden = hidden if pack is None else pack.take(hidden, start)
+            out = self.backbone(
+                input_ids=chunk.input_ids,
+                attention_mask=chunk.attention_mask.long(),
+                output_hidden_states=True,
+            )
+            hidden = _last_hidden(out)
         v = self.value_head(hidden[:, :-1]).squeeze(-1)
         return torch.nn.functional.pad(v, (start + 1, 0))
 
@@ -219,3 +223,9 @@ class CriticModule(PPOModule):
             "return_min": float(sums.mins.get("return_min", torch.tensor(0.0))),
             "return_max": float(sums.maxs.get("return_max", torch.tensor(0.0))),
         }
+
+
+def _last_hidden(out: Any) -> torch.Tensor:
+    """The last hidden state of a Hugging Face model output (a base model's or a causal LM's)."""
+    hidden = getattr(out, "last_hidden_state", None)
+    return out.hidden_states[-1] if hidden is None else hidden

@@ -8,6 +8,7 @@ without touching the global RNG. Every built model exposes ``model.config.hidden
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,12 @@ def _own_vocabulary(path: str) -> dict[str, int] | None:
     if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
         return None
     return dict(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab())
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword this transformers version passes a KV cache under (``cache`` from 5.20)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def hidden_size_of(model: transformers.PreTrainedModel) -> int:

@@ -1,47 +1,53 @@
 """Shared prompts: the rows of a chunk that answer one prompt compute that prompt once.
 
 GRPO's ``G`` samples of a prompt repeat its tokens ``G`` times in every forward over the chunk
-(the score passes and the actor's training pass). :func:`pack_shared` lays a chunk's rows out
-again: each *group* (rows whose tokens before their first response token are equal) becomes
-one block, its prompt once followed by every row's remainder (response, and for multi-turn rows
-the later turns), and blocks are packed into rows of width ``W``::
+(the score passes and the actor's training pass). :func:`pack_shared` splits a chunk's rows:
+each *group* (rows whose tokens before their first response token are equal: a prompt's
+samples, a multi-turn row's first prompt) keeps its prompt once, and every row keeps its *rest*
+(the response, and for multi-turn rows the later turns). :meth:`SharedPack.forward` runs the
+model twice:
 
-    block:   [ prompt (P) | rest of row 1 (R1) | rest of row 2 (R2) | … ]
-    mask:    the prompt causal; rest i sees the whole prompt and itself causally, nothing else
-    ids:     prompt 0 … P − 1; rest i again P … P + Ri − 1 (each row's own positions)
+1. the prompts, ``[groups, P]``, keeping their keys and values (``use_cache``);
+2. the rests, ``[rows, R]``, each against its group's keys and values (the cache's batch
+   re-indexed by group) under a 2-D mask of the group's prompt and the row itself, with the
+   row's own position ids (``P_b …``),
 
-so every position sees exactly the keys and values (same tokens, same positions) it sees in its
-own row, and its output is the same up to round-off. The model runs with that 4-D mask and the
-position ids; :meth:`SharedPack.take` reads the outputs back into the chunk's ``[B, T]`` layout
-(an index gather: in the actor's backward the gradients of a prompt's positions add up over
-its rows, as they would over separate rows). Everything after the forward is unchanged.
+so every position sees the keys and values it sees in its own row (same tokens, same positions)
+and its output is the same to round-off; in the actor's backward the gradients that reach a
+prompt's keys and values from its rows add up there and flow back through the prompt's single
+forward. :meth:`SharedPack.take` reads both outputs back into the chunk's ``[B, T]`` layout
+(an index gather), so everything after the forward is unchanged. The prompt's last position
+predicts each row's first response token.
 
-Where nothing is shared, or packing would hold more padded tokens than the rows themselves, the
-chunk runs as it is (:func:`pack_shared` returns ``None``). Packed tokens never exceed the
-chunk's ``rows × longest row``, so ``data.max_tokens_per_chunk`` still bounds memory.
+Where nothing is shared, or the two passes would hold more tokens than the chunk's rows
+(``groups × P + rows × R > rows × T``), the chunk runs as it is (:func:`pack_shared` returns
+``None``): ``data.max_tokens_per_chunk`` still bounds memory.
 
 Supported: Hugging Face ``llama``, ``mistral``, ``qwen2``, ``qwen3`` and ``gpt2`` models
-without sliding-window attention, attention ``sdpa`` or ``eager`` (they take a 4-D mask as
-given, :func:`unshareable` checks). ``data.share_prompts`` decides for the run
+without sliding-window attention, attention ``sdpa`` or ``eager``, no gradient checkpointing
+(:func:`unshareable` checks). ``data.share_prompts`` decides for the run
 (:func:`resolve_share_prompts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from lppo.decisions import note
+from lppo.modules.models import cache_keyword
 from lppo.validation import SettingError
 
 #: ``data.share_prompts``: on, off, or ``auto`` (on wherever every model of the run supports it).
 ShareSetting = bool | Literal["auto"]
 
-#: ``config.model_type`` values whose forward takes a 4-D mask and position ids as given.
+#: ``config.model_type`` values whose forward takes a cache, a 2-D mask and position ids.
 SHAREABLE = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 KEY = "data.share_prompts"
@@ -62,6 +68,9 @@ def unshareable(model: nn.Module) -> str | None:
             f"attn_implementation sdpa or eager, got model_type={kind!r}, "
             f"attn_implementation={attention!r}"
         )
+    name = "is_activation_checkpointing"  # transformers >= 5.x; older: is_gradient_checkpointing
+    if getattr(hf, name if hasattr(hf, name) else "is_gradient_checkpointing", False):
+        return "gradient checkpointing drops the prompt's keys and values (no cache)"
     return None
 
 
@@ -137,60 +146,124 @@ def decide(setting: ShareSetting, modules: Sequence[Any]) -> bool:
 
 @dataclass(frozen=True)
 class SharedPack:
-    """A chunk's ``B`` rows (width ``T``) packed into ``R`` rows of width ``W``.
+    """A chunk's ``B`` rows (width ``T``) as ``G`` prompts and ``B`` rests.
 
     Attributes:
-        input_ids: ``int64[R, W]`` (0 on padding).
-        position_ids: ``int64[R, W]``: each token's position in its own row.
-        allowed: ``bool[R, 1, W, W]``, ``True`` where a query (dim 2) attends to a key (dim 3);
-            padding attends to itself only.
-        row: ``int64[B]``, the packed row holding each chunk row.
-        column: ``int64[B, T]``, the packed column of each chunk position (a padding position
-            points at its row's last token).
+        prompts: ``int64[G, P]``, each group's prompt, right-padded (``P``: the longest).
+        prompt_mask: ``bool[G, P]``.
+        rests: ``int64[B, R]``, each row's tokens after its prompt, right-padded.
+        rest_mask: ``bool[B, R]``.
+        group: ``int64[B]``, each row's group.
+        starts: ``int64[B]``, each row's prompt length (its first response position).
+        index: ``int64[B, T]``, where each chunk position is in the two passes' outputs
+            flattened and concatenated (``G·P`` prompt positions, then ``B·R``); a padding
+            position points at its row's last token.
     """
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    allowed: torch.Tensor
-    row: torch.Tensor
-    column: torch.Tensor
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    rests: torch.Tensor
+    rest_mask: torch.Tensor
+    group: torch.Tensor
+    starts: torch.Tensor
+    index: torch.Tensor
 
-    def inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The keyword arguments of ``model``'s forward over the pack (mask in its format).
+    def forward(
+        self,
+        model: nn.Module,
+        heads: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] | None = None,
+        **kwargs: Any,
+    ) -> tuple[Any, Any]:
+        """``model``'s outputs over the prompts, then over the rests against their keys and values.
 
-        ``sdpa`` takes the boolean mask; ``eager`` adds it to the scores, so it gets ``0`` and
-        the dtype's lowest value, in the dtype of the model's embeddings.
+        Args:
+            model: a Hugging Face model (causal LM or base model; PEFT-wrapped or not).
+            heads: context managers entered around the first and the second pass (the
+                vocabulary-sliced head of each, :func:`~lppo.modules.vocab.sliced_head`).
+            **kwargs: more keyword arguments of both calls (``output_hidden_states``).
         """
+        first_head, rest_head = heads or (nullcontext(), nullcontext())
+        device = next(model.parameters()).device
+        move = {n: getattr(self, n).to(device) for n in ("prompts", "prompt_mask", "rests")}
+        group = self.group.to(device)
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-        mask = self.allowed
-        if getattr(hf.config, "_attn_implementation", None) == "eager":
-            dtype = hf.get_input_embeddings().weight.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-        device = hf.get_input_embeddings().weight.device
-        return {
-            "input_ids": self.input_ids.to(device),
-            "attention_mask": mask.to(device),
-            "position_ids": self.position_ids.to(device),
-        }
+        cache = DynamicCache(config=hf.config)
+        keyword = cache_keyword(hf)
+        with first_head:
+            first = model(
+                input_ids=move["prompts"],
+                attention_mask=move["prompt_mask"].long(),
+                use_cache=True,
+                **{keyword: cache},
+                **kwargs,
+            )
+        cache.reorder_cache(group)  # each row gets its group's keys and values (a gather)
+        mask = torch.cat([move["prompt_mask"][group], self.rest_mask.to(device)], dim=1)
+        positions = self.starts.to(device)[:, None] + torch.arange(
+            self.rests.shape[1], device=device
+        )
+        with rest_head:
+            rest = model(
+                input_ids=move["rests"],
+                attention_mask=mask.long(),
+                position_ids=positions,
+                use_cache=True,
+                **{keyword: cache},
+                **kwargs,
+            )
+        return first, rest
 
-    def flat_index(self, start: int = 0) -> torch.Tensor:
-        """``int64[B, T - start]``: where each chunk position from ``start`` on is.
+    def take(self, first: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """The chunk's ``[B, T, ...]`` outputs from the passes' ``[G, P, ...]``, ``[B, R, ...]``."""
+        flat = torch.cat([first.reshape(-1, *first.shape[2:]), rest.reshape(-1, *rest.shape[2:])])
+        index = self.index.to(flat.device)
+        return flat[index.reshape(-1)].reshape(*index.shape, *first.shape[2:])
 
-        Position ``start + j`` of row ``b`` in the packed output of columns ``start …``,
-        flattened over ``(R, W - start)``.
+    def heads_index(
+        self, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Which outputs of each pass predict the scored tokens, and the tokens' places.
+
+        Args:
+            mask: ``bool[B, T]``, the positions whose token is scored (a response mask).
+
+        Returns:
+            ``(first, rest, first_rows, rest_mask)``: flat positions in the prompt pass's
+            output (each scored row's last prompt token, predicting its first response token)
+            and in the rest pass's (every later scored token's predecessor), the rows of the
+            first (``int64``), and ``bool[B, T]`` marking the tokens of the second, in order.
         """
-        width = self.input_ids.shape[1] - start
-        return self.row[:, None] * width + self.column[:, start:] - start
+        b, t = mask.shape
+        starts = self.starts.to(mask.device)
+        columns = torch.arange(t, device=mask.device)[None, :]
+        at_start = mask & (columns == starts[:, None]) & (starts[:, None] > 0)
+        later = mask & (columns > starts[:, None])
+        rows = at_start.any(dim=1).nonzero().squeeze(1)
+        width = self.prompts.shape[1]
+        first = self.group.to(mask.device)[rows] * width + starts[rows] - 1
+        rest_width = self.rests.shape[1]
+        grid = torch.arange(b, device=mask.device)[:, None] * rest_width + columns - 1
+        return first, (grid - starts[:, None])[later], rows, later
 
-    def take(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """The chunk's ``[B, T - start, ...]`` outputs from packed ``out`` ``[R, W - start, ...]``.
+    def scores(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        head: Callable[[torch.Tensor, torch.Tensor], AbstractContextManager[Any]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token ``(log-prob, entropy)``, ``float[B, T]`` each, 0 off ``mask``.
 
-        ``start``: the first column computed (a trimmed forward); every chunk position from
-        ``start`` on lies at a packed column ``≥`` its own, so none is missing.
+        Each pass's output projection is ``head(index, targets)``, a ``float[N, 2]`` one
+        (:func:`~lppo.modules.vocab.sliced_head`).
         """
-        index = self.flat_index(start).to(out.device)
-        flat = out.reshape(-1, *out.shape[2:])
-        return flat[index.reshape(-1)].reshape(*index.shape, *out.shape[2:])
+        first, rest, rows, later = self.heads_index(mask)
+        at = self.starts.to(rows.device)[rows]
+        heads = (head(first, input_ids[rows, at]), head(rest, input_ids[later]))
+        a, b = (out.logits for out in self.forward(model, heads))
+        placed = b.new_zeros(*input_ids.shape, 2).index_put((rows, at), a)
+        logprobs, entropy = placed.masked_scatter(later[..., None], b).unbind(-1)
+        return logprobs, entropy
 
 
 def _groups(ids: list[list[int]], starts: Sequence[int]) -> list[list[int]]:
@@ -204,113 +277,48 @@ def _groups(ids: list[list[int]], starts: Sequence[int]) -> list[list[int]]:
 def pack_shared(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
 ) -> SharedPack | None:
-    """Pack a chunk's rows so each prompt is computed once (``None``: nothing to gain).
+    """Split a chunk's rows into prompts (once per group) and rests (``None``: nothing to gain).
 
     Args:
         input_ids: ``int64[B, T]``, right-padded.
         attention_mask: ``bool[B, T]``.
-        response_mask: ``bool[B, T]``; a row's prompt is everything before its first ``True``
-            (a row without one is all prompt and shares with nothing shorter).
+        response_mask: ``bool[B, T]``; a row's prompt is everything before its first ``True``.
 
     Returns:
-        The pack, or ``None`` when no two rows share a prompt or the pack would hold more
-        padded tokens than the chunk (``R × W > B × T``).
+        The pack, or ``None`` when no two rows share a prompt, a row has no response token,
+        or the two passes would hold more tokens than the chunk (``G·P + B·R > B·T``).
     """
     b, t = input_ids.shape
+    if not bool(response_mask.any(dim=1).all()):
+        return None
     lengths = attention_mask.sum(dim=1).tolist()
-    has = response_mask.any(dim=1)
-    first = torch.where(has, response_mask.int().argmax(dim=1), attention_mask.sum(dim=1))
-    starts = [min(int(s), n) for s, n in zip(first.tolist(), lengths, strict=True)]
+    starts = response_mask.int().argmax(dim=1).tolist()
     ids = [row[:n] for row, n in zip(input_ids.tolist(), lengths, strict=True)]
     groups = _groups(ids, starts)
-    if all(len(g) == 1 for g in groups):
+    width = max(starts[g[0]] for g in groups)
+    rest_width = max(n - s for n, s in zip(lengths, starts, strict=True))
+    if len(groups) == b or len(groups) * width + b * rest_width > b * t:
         return None
-    sizes = [starts[g[0]] + sum(lengths[r] - starts[r] for r in g) for g in groups]
-    width = max(t, *sizes)
-    bins: list[list[int]] = []  # next fit: a bin holds whole groups, one after another
-    used = width
-    for k, size in enumerate(sizes):
-        if used + size > width:
-            bins.append([])
-            used = 0
-        bins[-1].append(k)
-        used += size
-    if len(bins) * width > b * t:
-        return None
-    return _build(ids, starts, lengths, groups, bins, width, t)
-
-
-def _build(
-    ids: list[list[int]],
-    starts: list[int],
-    lengths: list[int],
-    groups: list[list[int]],
-    bins: list[list[int]],
-    width: int,
-    t: int,
-) -> SharedPack:
-    """The tensors of :class:`SharedPack` for ``groups`` laid out in ``bins``."""
-    n = len(bins)
-    tokens = torch.zeros(n, width, dtype=torch.long)
-    positions = torch.zeros(n, width, dtype=torch.long)
-    # Per packed position: its block (a group in a bin), its segment (the prompt or one row's
-    # rest) and whether it is a prompt token; padding gets ids no other position has.
-    block = -1 - torch.arange(n * width).view(n, width)
-    segment = block.clone()
-    prompt = torch.zeros(n, width, dtype=torch.bool)
-    row = torch.zeros(len(ids), dtype=torch.long)
-    column = torch.zeros(len(ids), t, dtype=torch.long)
-    for r, members in enumerate(bins):
-        at = 0
-        for k in members:
-            rows = groups[k]
-            p = starts[rows[0]]
-            tokens[r, at : at + p] = torch.tensor(ids[rows[0]][:p], dtype=torch.long)
-            positions[r, at : at + p] = torch.arange(p)
-            block[r, at : at + p + sum(lengths[i] - p for i in rows)] = k
-            segment[r, at : at + p] = len(ids)  # no row id: the prompt's own segment
-            prompt[r, at : at + p] = True
-            rest = at + p
-            for i in rows:
-                m = lengths[i] - p
-                tokens[r, rest : rest + m] = torch.tensor(ids[i][p:], dtype=torch.long)
-                positions[r, rest : rest + m] = torch.arange(p, p + m)
-                segment[r, rest : rest + m] = i
-                row[i] = r
-                column[i, :p] = torch.arange(at, at + p)
-                column[i, p : p + m] = torch.arange(rest, rest + m)
-                column[i, p + m :] = column[i, p + m - 1] if p + m > 0 else at
-                rest += m
-            at = rest
-    return SharedPack(tokens, positions, _allowed(block, segment, prompt), row, column)
-
-
-def _allowed(block: torch.Tensor, segment: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-    """``bool[R, 1, W, W]``: causal, within a block, own segment or the block's prompt."""
-    width = block.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same_block = block[:, :, None] == block[:, None, :]
-    visible = (segment[:, :, None] == segment[:, None, :]) | prompt[:, None, :]
-    return (causal & same_block & visible)[:, None]
-
-
-def forward_inputs(pack: SharedPack | None, chunk: Any, model: nn.Module) -> dict[str, Any]:
-    """``model``'s keyword inputs over ``chunk``: its rows as they are, or ``pack``'s layout."""
-    if pack is None:
-        return {"input_ids": chunk.input_ids, "attention_mask": chunk.attention_mask.long()}
-    return pack.inputs(model)
-
-
-def output_index(pack: SharedPack | None, shape: tuple[int, int], start: int) -> torch.Tensor:
-    """``int64[B, T - start]``: each chunk position's place in the body's flattened output.
-
-    The body's output (from position ``start``, over ``pack``'s layout or the chunk's own
-    ``shape`` ``(B, T)``) flattened over all but its last dimension.
-    """
-    if pack is not None:
-        return pack.flat_index(start)
-    b, t = shape
-    return torch.arange(b * (t - start)).view(b, t - start)
+    prompts = torch.zeros(len(groups), width, dtype=torch.long)
+    prompt_mask = torch.zeros(prompts.shape, dtype=torch.bool)
+    rests = torch.zeros(b, rest_width, dtype=torch.long)
+    rest_mask = torch.zeros(rests.shape, dtype=torch.bool)
+    group = torch.zeros(b, dtype=torch.long)
+    index = torch.zeros(b, t, dtype=torch.long)
+    offset = len(groups) * width
+    for k, rows in enumerate(groups):
+        p = starts[rows[0]]
+        prompts[k, :p] = torch.tensor(ids[rows[0]][:p], dtype=torch.long)
+        prompt_mask[k, :p] = True
+        for i in rows:
+            n = lengths[i]
+            rests[i, : n - p] = torch.tensor(ids[i][p:], dtype=torch.long)
+            rest_mask[i, : n - p] = True
+            group[i] = k
+            index[i, :p] = k * width + torch.arange(p)
+            index[i, p:n] = offset + i * rest_width + torch.arange(n - p)
+            index[i, n:] = index[i, n - 1]
+    return SharedPack(prompts, prompt_mask, rests, rest_mask, group, torch.tensor(starts), index)
 
 
 def pack_or_none(enabled: bool, chunk: Any) -> SharedPack | None:

@@ -81,24 +81,22 @@ def pair(model: nn.Module, vocab_chunk: int, temperature: float = 1.0, **kw):
 
 
 # ----------------------------------------------------------------------------- the pack
-def test_the_pack_computes_each_prompt_once_and_never_holds_more_tokens():
+def test_the_pack_keeps_each_prompt_once_and_every_token_in_its_place():
     c = grouped_chunk()
     pack = pack_shared(c.input_ids, c.attention_mask, c.response_mask)
     assert pack is not None
     rows = [int(n) for n in c.attention_mask.sum(dim=1)]
-    assert int((pack.input_ids != 0).sum()) <= sum(rows)
-    assert pack.input_ids.numel() <= c.input_ids.numel()
-    # every chunk token sits at its packed place, with its own position
-    for b, n in enumerate(rows):
-        cols = pack.column[b, :n]
-        assert torch.equal(pack.input_ids[pack.row[b], cols], c.input_ids[b, :n])
-        assert torch.equal(pack.position_ids[pack.row[b], cols], torch.arange(n))
     first = c.response_mask.int().argmax(dim=1)
+    assert pack.starts.tolist() == first.tolist()
     prompts = {tuple(c.input_ids[b, : first[b]].tolist()) for b in range(len(rows))}
-    assert len(prompts) == 3
-    saved = sum(int(first[b]) for b in range(len(rows))) - sum(len(p) for p in prompts)
-    assert int(pack.position_ids.ne(0).sum()) + len(pack.row.unique()) >= sum(rows) - saved
-    assert bool(pack.allowed.diagonal(dim1=-2, dim2=-1).all())  # no query without a key
+    assert pack.prompts.shape[0] == len(prompts) == 3
+    assert int(pack.prompt_mask.sum()) == sum(len(p) for p in prompts)  # each prompt once
+    assert pack.prompts.numel() + pack.rests.numel() <= c.input_ids.numel()
+    tokens = torch.cat([pack.prompts.reshape(-1), pack.rests.reshape(-1)])
+    for b, n in enumerate(rows):  # every chunk token read back from its place
+        assert torch.equal(tokens[pack.index[b, :n]], c.input_ids[b, :n])
+        prompt = pack.prompts[pack.group[b], : first[b]]
+        assert torch.equal(prompt, c.input_ids[b, : first[b]])  # its group's prompt
 
 
 def test_rows_without_a_common_prompt_run_as_they_are():
@@ -106,22 +104,6 @@ def test_rows_without_a_common_prompt_run_as_they_are():
     single = [0, 3]  # two rows of different prompts
     ids, att, resp = (x[single] for x in (c.input_ids, c.attention_mask, c.response_mask))
     assert pack_shared(ids, att, resp) is None
-
-
-def test_a_row_attends_to_its_prompt_and_itself_only():
-    c = grouped_chunk()
-    pack = pack_shared(c.input_ids, c.attention_mask, c.response_mask)
-    first = c.response_mask.int().argmax(dim=1)
-    for b in range(c.input_ids.shape[0]):
-        for a in range(c.input_ids.shape[0]):
-            if a == b:
-                continue
-            same_prompt = torch.equal(c.input_ids[a, : first[a]], c.input_ids[b, : first[b]])
-            if pack.row[a] != pack.row[b] or not same_prompt:
-                continue
-            qa = pack.column[a, int(first[a]) : int(c.attention_mask[a].sum())]
-            kb = pack.column[b, int(first[b]) : int(c.attention_mask[b].sum())]
-            assert not pack.allowed[pack.row[a], 0][qa][:, kb].any()
 
 
 # ----------------------------------------------------------------------------- the actor

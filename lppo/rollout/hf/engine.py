@@ -12,12 +12,12 @@ import transformers
 
 from lppo.decisions import note
 from lppo.init_args import RecordsInitArgs
+from lppo.modules.models import cache_keyword
 from lppo.rollout.base import GenerationOutput, RolloutSettings
 from lppo.rollout.capabilities import EngineCapabilities
 from lppo.rollout.encoding import check_setup, check_tokenizer, encode_prompt, prompt_text
 from lppo.rollout.hf.attention import filled_part_decode
 from lppo.rollout.hf.prefill import (
-    cache_keyword,
     other_cache_layer,
     prefilled_cache,
     resolve_cache,

@@ -15,7 +15,6 @@ place, which avoids re-copying the whole cache at every step of a large batch).
 
 from __future__ import annotations
 
-import inspect
 from typing import Literal
 
 import torch
@@ -24,16 +23,11 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 from lppo.decisions import note
+from lppo.modules.models import cache_keyword
 
 #: ``prefill_tokens: auto``'s piece budget: a few thousand padded tokens keep each piece one
 #: efficient forward pass while rows of very different lengths go to different pieces.
 AUTO_PREFILL_TOKENS = 2048
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword this transformers version passes a KV cache under (``cache`` from 5.20)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def prefill_pieces(lengths: list[int], max_tokens: int | None) -> list[list[int]]:

@@ -18,8 +18,8 @@ import torch
 import transformers
 from transformers import LogitsProcessorList
 
+from lppo.modules.models import cache_keyword
 from lppo.rollout.base import RolloutSettings
-from lppo.rollout.hf.prefill import cache_keyword
 from lppo.rollout.hf.sampler import warpers
 from lppo.rollout.turns import TurnRequest, TurnSample
 
