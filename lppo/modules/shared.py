@@ -137,6 +137,14 @@ def decide(setting: ShareSetting, modules: Sequence[Any]) -> bool:
     """
     present = [m for m in modules if m is not None and hasattr(m, "unshareable")]
     reasons = {m.config_key.removesuffix(".init_args"): m.unshareable() for m in present}
+    sharded = {
+        type(m.parallel.layout).__name__ for m in present if m.parallel.layout.shards_weights()
+    }
+    if sharded:  # every rank must issue the same all-gathers per chunk
+        reasons["trainer.strategy"] = (
+            f"under {', '.join(sorted(sharded))}, which shards the weights, a chunk that shares "
+            "runs two forwards (two all-gathers per block) while another rank's may run one"
+        )
     inexact = {m.config_key.removesuffix(".init_args"): float32_inside(m) for m in present}
     share = resolve_share_prompts(setting, reasons, inexact)
     for module in present:

@@ -22,6 +22,10 @@ import pytest
 import torch
 from test_ddp import WORKER, finish_all, read_metrics, start
 
+from lppo.layouts import FSDPLayout
+from lppo.modules.shared import decide
+from lppo.validation import SettingError
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 _PARITY = Path(__file__).resolve().parents[1] / "modules" / "test_data_parallel.py"
@@ -63,15 +67,13 @@ def test_a_sharded_step_sliced_over_the_vocabulary_equals_one_materialized_proce
         parity.assert_tensors_close(dp["after"][name], want, name)
 
 
-def test_a_sharded_step_sharing_prompts_equals_one_process_per_row(tmp_path):
-    """``data.share_prompts`` under FSDP2: the packed rows and their 4-D mask go through the
-    sharded model's own forward."""
-    dp = parity.launch("actor", tmp_path, "--layout=fsdp", "--share")
-    single = parity.worker.run_step("actor", world_size=1, rank=0, shared=False)
-    assert dp["sharded"] > 0
-    assert parity.rel_close(dp["stats"]["grad_norm"], single["stats"]["grad_norm"])
-    for name, want in single["after"].items():
-        parity.assert_tensors_close(dp["after"][name], want, name)
+def test_sharing_prompts_is_off_under_fsdp_and_true_is_refused():
+    """A chunk that shares runs two forwards: ranks would disagree on their all-gathers."""
+    module, _ = parity.worker.build_module("actor")
+    module.parallel = FSDPLayout().context(1, 0)
+    assert decide("auto", [module]) is False
+    with pytest.raises(SettingError, match=r"share_prompts=true: trainer\.strategy: under FSDP"):
+        decide(True, [module])
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
