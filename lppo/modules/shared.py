@@ -52,6 +52,12 @@ SHAREABLE = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 KEY = "data.share_prompts"
 
+#: ``auto`` shares only where prompts can be this long (the task's longest, in characters:
+#: about 128 tokens). Below it the second pass and the packing cost more than the prompt tokens
+#: save (``bench/real_vocab.py``, 2026-12-07: 1.03-1.04 x the per-row time with 32-token prompts,
+#: 0.71-1.00 x with 256-token ones; the tiny default run 1.4 x).
+AUTO_MIN_PROMPT_CHARS = 512
+
 
 def unshareable(model: nn.Module) -> str | None:
     """Why ``model`` (a Hugging Face model, possibly PEFT-wrapped) cannot share prompts."""
@@ -106,8 +112,9 @@ def resolve_share_prompts(
         setting: the data group's ``share_prompts``.
         reasons: per model that runs over chunks (``model.actor`` …), why it cannot share
             (``None``: it can).
-        inexact: per model, why sharing would not be exact to the run's round-off
-            (:func:`float32_inside`): ``auto`` stays off, ``true`` is taken as asked.
+        inexact: why sharing would not be exact to the run's round-off
+            (:func:`float32_inside`) or would not pay: ``auto`` stays off, ``true`` is taken as
+            asked.
 
     Raises:
         SettingError: ``true`` where a model cannot share, naming it and the fix.
@@ -127,13 +134,21 @@ def resolve_share_prompts(
     return False
 
 
-def decide(setting: ShareSetting, modules: Sequence[Any]) -> bool:
+def decide(
+    setting: ShareSetting,
+    modules: Sequence[Any],
+    prompt_chars: int | None = None,
+    samples_per_prompt: int = 2,
+) -> bool:
     """Decide ``data.share_prompts`` for the run's modules and set it on each of them.
 
     Args:
         setting: the data group's ``share_prompts``.
         modules: the actor, critic and reference (``None`` or modules without an
             ``unshareable()`` are skipped: an adapter-free reference runs the actor's forward).
+        prompt_chars: the task's longest prompt in characters (``None``: unknown); ``auto``
+            stays off below :data:`AUTO_MIN_PROMPT_CHARS`.
+        samples_per_prompt: ``model.rollout.samples_per_prompt``; ``auto`` stays off at 1.
     """
     present = [m for m in modules if m is not None and hasattr(m, "unshareable")]
     reasons = {m.config_key.removesuffix(".init_args"): m.unshareable() for m in present}
@@ -146,6 +161,13 @@ def decide(setting: ShareSetting, modules: Sequence[Any]) -> bool:
             "runs two forwards (two all-gathers per block) while another rank's may run one"
         )
     inexact = {m.config_key.removesuffix(".init_args"): float32_inside(m) for m in present}
+    if samples_per_prompt < 2:
+        inexact["model.rollout.samples_per_prompt"] = "1: no two rows share a prompt"
+    elif prompt_chars is not None and prompt_chars < AUTO_MIN_PROMPT_CHARS:
+        inexact["model.task"] = (
+            f"prompts of at most {prompt_chars} characters; sharing pays from about "
+            f"{AUTO_MIN_PROMPT_CHARS} (set data.share_prompts: true to share anyway)"
+        )
     share = resolve_share_prompts(setting, reasons, inexact)
     for module in present:
         module.share_prompts = share

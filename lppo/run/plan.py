@@ -149,7 +149,9 @@ class RunPlan:
         note("data.max_tokens_per_score_chunk", str(score), why, setting)
         note("trainer.strategy", parts.strategy, type(layout).__name__, setting="")
         modules = (parts.actor, parts.critic, parts.reference)
-        share = decide_share_prompts(parts.data.share_prompts, modules)
+        chars = parts.task.max_prompt_length() if parts.task is not None else None
+        samples = parts.rollout.samples_per_prompt
+        share = decide_share_prompts(parts.data.share_prompts, modules, chars, samples)
         return cls(ppo, runner, score, share_prompts=share)
 
     def final(self) -> list[Decision]:

@@ -30,7 +30,14 @@ from lppo.iteration.chunks import read_chunk
 from lppo.iteration.data_settings import DataSettings
 from lppo.iteration.planner import ChunkPlanner
 from lppo.modules import CriticModule
-from lppo.modules.shared import float32_inside, pack_shared, resolve_share_prompts, unshareable
+from lppo.modules.shared import (
+    AUTO_MIN_PROMPT_CHARS,
+    decide,
+    float32_inside,
+    pack_shared,
+    resolve_share_prompts,
+    unshareable,
+)
 from lppo.run.cli import run
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES, Chunk
 from lppo.validation import SettingError
@@ -254,6 +261,16 @@ def test_auto_stays_off_where_a_float64_run_would_round_at_float32():
     inexact = {"model.actor": float32_inside(llama())}
     assert resolve_share_prompts("auto", {"model.actor": None}, inexact) is False
     assert resolve_share_prompts(True, {"model.actor": None}, inexact) is True
+
+
+def test_auto_shares_only_where_prompts_are_long_enough_to_pay():
+    model = actor(llama().float(), 0)
+    assert decide("auto", [model], prompt_chars=AUTO_MIN_PROMPT_CHARS) is True
+    assert model.share_prompts is True
+    assert decide("auto", [model], prompt_chars=AUTO_MIN_PROMPT_CHARS - 1) is False
+    assert model.share_prompts is False
+    assert decide("auto", [model], prompt_chars=10_000, samples_per_prompt=1) is False
+    assert decide(True, [model], prompt_chars=5) is True  # asked for: shared
 
 
 def test_models_that_cannot_take_the_mask_are_named():
