@@ -21,7 +21,7 @@ import pytest
 import torch
 from _builders import filled_store, shared_prompt_rows, tiny_backbone, tiny_lm
 from test_parity import CapturingActor, CapturingCritic, assert_grads_close, rel_close, streamed
-from test_vocab import actor, assert_rel, grads, llama
+from test_vocab import actor, assert_rel, grads, grpo_fit, llama
 from torch import nn
 from transformers.models.llama import modeling_llama
 
@@ -38,7 +38,6 @@ from lppo.modules.shared import (
     resolve_share_prompts,
     unshareable,
 )
-from lppo.run.cli import run
 from lppo.types import ADVANTAGES, OLD_LOGPROBS, RETURNS, VALUES, Chunk
 from lppo.validation import SettingError
 
@@ -216,17 +215,7 @@ def test_sample_order_keeps_a_prompts_rows_together_within_the_budget():
 
 def test_a_grpo_fit_in_64_true_trains_the_same_weights_shared_or_not(f64_norms, tmp_path: Path):
     def fit(name: str, setting: str) -> dict[str, torch.Tensor]:
-        cli = run(
-            [
-                "fit",
-                "--config",
-                str(GRPO),
-                "--trainer.max_epochs=3",
-                "--trainer.precision=64-true",
-                f"--trainer.default_root_dir={tmp_path / name}",
-                f"--data.share_prompts={setting}",
-            ]
-        )
+        cli = grpo_fit(tmp_path / name, f"--data.share_prompts={setting}")
         assert cli.model.actor.share_prompts is (setting == "true")
         assert cli.datamodule.planner.sample_order is (setting == "true")
         return {n: p.detach().clone() for n, p in cli.model.actor.named_parameters()}

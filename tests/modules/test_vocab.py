@@ -208,19 +208,15 @@ def test_a_streamed_step_is_exact_under_every_aggregation_kl_and_correction(obje
             assert rel_close(got.metrics[key], value), (combo, key)
 
 
+def grpo_fit(root: Path, *extra: str):
+    """A 3-iteration ``configs/grpo.yaml`` fit in 64-true into ``root`` (its CLI)."""
+    fixed = ["--config", str(GRPO), "--trainer.max_epochs=3", "--trainer.precision=64-true"]
+    return run(["fit", *fixed, f"--trainer.default_root_dir={root}", *extra])
+
+
 def test_a_grpo_fit_in_64_true_trains_the_same_weights_sliced_or_not(tmp_path: Path):
     def fit(name: str, setting: str) -> dict[str, torch.Tensor]:
-        cli = run(
-            [
-                "fit",
-                "--config",
-                str(GRPO),
-                "--trainer.max_epochs=3",
-                "--trainer.precision=64-true",
-                f"--trainer.default_root_dir={tmp_path / name}",
-                f"--model.actor.init_args.vocab_chunk={setting}",
-            ]
-        )
+        cli = grpo_fit(tmp_path / name, f"--model.actor.init_args.vocab_chunk={setting}")
         assert cli.model.actor.vocab_chunk == (0 if setting == "0" else int(setting))
         return {n: p.detach().clone() for n, p in cli.model.actor.named_parameters()}
 
