@@ -47,7 +47,8 @@ class ReplayDataModule(LightningDataModule):
         share_prompts: rows that answer the same prompt compute it once in every forward over
             a chunk, and chunks keep the sample order so a prompt's samples share chunks
             (:mod:`lppo.modules.shared`; the same results to round-off). ``auto`` (the
-            default): on wherever every model of the run supports it (the run plan decides).
+            default): on where every model of the run supports it and prompts are long enough
+            for it to pay (the run plan decides, :func:`lppo.modules.shared.decide`).
 
     Raises:
         ValueError: a bad setting, naming the key, the value and the fix.

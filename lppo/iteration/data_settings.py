@@ -45,8 +45,8 @@ class DataSettings:
             training), rows that answer the same prompt compute it once
             (:mod:`lppo.modules.shared`), and chunks keep the iteration's sample order, so a
             prompt's samples share chunks. The same results to round-off, less work.
-            ``auto`` (the default): on wherever every model of the run supports it, off with
-            a line in the run plan naming the reason.
+            ``auto`` (the default): on where every model of the run supports it and prompts
+            are long enough for it to pay, off with a line in the run plan naming the reason.
     """
 
     #: The score phase's chunking is a speed knob (the planner is built at setup, so a resumed

@@ -273,11 +273,10 @@ class ActorModule(PPOModule):
 
     def policy(self) -> nn.Module:
         """The Hugging Face causal LM holding the current weights, for the rollout engine."""
-        if self.model is None:
-            raise RuntimeError("actor model not built: call configure_model() first.")
+        model = self._model()
         if self._merged is not None:  # LoRA: the base model with the adapters merged in
-            return self._merged.current(self.model, self.weights_version, self.parallel.layout)
-        return self.model
+            return self._merged.current(model, self.weights_version, self.parallel.layout)
+        return model
 
     def reference_policy(self) -> nn.Module:
         """The frozen reference (KL): a copy of this actor, or with LoRA the base model itself.

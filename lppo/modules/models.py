@@ -9,6 +9,7 @@ without touching the global RNG. Every built model exposes ``model.config.hidden
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,26 @@ def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword this transformers version passes a KV cache under (``cache`` from 5.20)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def attention_obstacle(config: Any, kinds: Sequence[str], fits: bool = True) -> str | None:
+    """Why a model of ``config`` is not one of ``kinds`` with full ``sdpa``/``eager`` attention.
+
+    ``None``: it is. Sliding-window models and other attention implementations (flash, flex)
+    build other masks; ``fits``: the caller's own check of the model's layout passed.
+    """
+    kind = getattr(config, "model_type", None)
+    windowed = getattr(config, "sliding_window", None) and getattr(
+        config, "use_sliding_window", kind == "mistral"
+    )
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if kind not in kinds or not fits or windowed or attention not in ("sdpa", "eager"):
+        return (
+            f"it needs a {'/'.join(kinds)} model without sliding-window attention, with "
+            f"attn_implementation sdpa or eager, got model_type={kind!r}, "
+            f"attn_implementation={attention!r}"
+        )
+    return None
 
 
 def hidden_size_of(model: transformers.PreTrainedModel) -> int:

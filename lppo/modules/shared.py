@@ -41,10 +41,10 @@ from torch import nn
 from transformers import DynamicCache
 
 from lppo.decisions import note
-from lppo.modules.models import cache_keyword
+from lppo.modules.models import attention_obstacle, cache_keyword
 from lppo.validation import SettingError
 
-#: ``data.share_prompts``: on, off, or ``auto`` (on wherever every model of the run supports it).
+#: ``data.share_prompts``: on, off, or ``auto`` (on where every model supports it and it pays).
 ShareSetting = bool | Literal["auto"]
 
 #: ``config.model_type`` values whose forward takes a cache, a 2-D mask and position ids.
@@ -62,18 +62,8 @@ AUTO_MIN_PROMPT_CHARS = 512
 def unshareable(model: nn.Module) -> str | None:
     """Why ``model`` (a Hugging Face model, possibly PEFT-wrapped) cannot share prompts."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(hf, "config", None)
-    kind = getattr(config, "model_type", None)
-    windowed = getattr(config, "sliding_window", None) and getattr(
-        config, "use_sliding_window", kind == "mistral"
-    )
-    attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    if kind not in SHAREABLE or windowed or attention not in ("sdpa", "eager"):
-        return (
-            f"it needs a {'/'.join(SHAREABLE)} model without sliding-window attention, with "
-            f"attn_implementation sdpa or eager, got model_type={kind!r}, "
-            f"attn_implementation={attention!r}"
-        )
+    if (reason := attention_obstacle(getattr(hf, "config", None), SHAREABLE)) is not None:
+        return reason
     name = "is_activation_checkpointing"  # transformers >= 5.x; older: is_gradient_checkpointing
     if getattr(hf, name if hasattr(hf, name) else "is_gradient_checkpointing", False):
         return "gradient checkpointing drops the prompt's keys and values (no cache)"

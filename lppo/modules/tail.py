@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lppo.decisions import note
+from lppo.modules.models import attention_obstacle
 from lppo.validation import SettingError
 
 #: ``config.model_type`` values whose blocks have the layout :class:`TailBlock` computes.
@@ -42,23 +43,11 @@ TrimSetting = bool | Literal["auto"]
 
 def untrimmable(body: nn.Module) -> str | None:
     """Why ``body`` (a Hugging Face base model) cannot run :func:`trimmed` (``None``: it can)."""
-    config = getattr(body, "config", None)
-    kind = getattr(config, "model_type", None)
     layers = getattr(body, "layers", None)
     attn = getattr(layers[-1], "self_attn", None) if layers else None
     plain = attn is not None and not hasattr(attn, "q_norm") and hasattr(attn, "q_proj")
-    windowed = getattr(config, "sliding_window", None) and getattr(
-        config, "use_sliding_window", kind == "mistral"
-    )
     # The tail reads HF's 4-D mask (sdpa / eager); flash and flex pass other mask types.
-    attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    if kind not in TRIMMABLE or not plain or windowed or attention not in ("sdpa", "eager"):
-        return (
-            f"it needs a {'/'.join(TRIMMABLE)} model without sliding-window attention, with "
-            f"attn_implementation sdpa or eager, got model_type={kind!r}, "
-            f"attn_implementation={attention!r}"
-        )
-    return None
+    return attention_obstacle(getattr(body, "config", None), TRIMMABLE, plain)
 
 
 def check_trimmable(body: nn.Module, key: str) -> None:

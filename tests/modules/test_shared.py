@@ -262,7 +262,7 @@ def test_auto_shares_only_where_prompts_are_long_enough_to_pay():
     assert decide(True, [model], prompt_chars=5) is True  # asked for: shared
 
 
-def test_models_that_cannot_take_the_mask_are_named():
+def test_models_that_cannot_share_are_named():
     gemma = llama()
     gemma.config.model_type = "gemma3_text"
     assert "gemma3_text" in unshareable(gemma)

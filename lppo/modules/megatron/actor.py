@@ -102,7 +102,7 @@ class MegatronActor(MegatronLifecycle, ActorModule):
         )
 
     def unshareable(self) -> str:
-        """``data.share_prompts`` does not apply: megatron's GPTModel builds its own mask."""
+        """``data.share_prompts`` does not apply: megatron's GPTModel runs its own forward."""
         return MEGATRON_UNSHAREABLE
 
     def logits(self, chunk: Chunk) -> torch.Tensor:

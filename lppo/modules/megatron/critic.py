@@ -63,7 +63,7 @@ class MegatronCritic(MegatronLifecycle, CriticModule):
         )
 
     def unshareable(self) -> str:
-        """``data.share_prompts`` does not apply: megatron's GPTModel builds its own mask."""
+        """``data.share_prompts`` does not apply: megatron's GPTModel runs its own forward."""
         return MEGATRON_UNSHAREABLE
 
     def values(self, chunk: Chunk) -> torch.Tensor:

@@ -70,7 +70,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
 
 #: Why megatron modules cannot share prompts (``data.share_prompts``).
 MEGATRON_UNSHAREABLE = (
-    "megatron's GPTModel builds its own causal mask and positions (no 4-D mask input)"
+    "megatron's GPTModel runs its own forward (no Hugging Face key-value cache input)"
 )
 
 
