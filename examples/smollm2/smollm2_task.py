@@ -43,6 +43,9 @@ class ChatArithmeticTask(ArithmeticTask):
         heldout_fraction: the share of problems on the held-out side, in ``(0, 1)``.
         problems: a fixed list of problems (``"47-18"``) to draw from instead of random
             operands (see :class:`~lppo.tasks.ArithmeticTask`).
+        answer_ends: where the answer ends: only the completion's text before the first
+            occurrence is read (``"\\n"`` for a base model prompted with worked lines, which
+            goes on to write the next line's question); ``None`` reads all of it.
     """
 
     name = "chat_arithmetic"
@@ -57,12 +60,16 @@ class ChatArithmeticTask(ArithmeticTask):
         split: Split = "all",
         heldout_fraction: float = 0.1,
         problems: list[str] | None = None,
+        answer_ends: str | None = None,
     ) -> None:
         super().__init__(
             min_value, max_value, operators, partial_weight, split, heldout_fraction, problems
         )
         template.format(a=0, op="+", b=0, word="plus")  # fail at construction on a bad template
+        if answer_ends == "":
+            raise ValueError("answer_ends must be a non-empty string or None, got ''")
         self.template = template
+        self.answer_ends = answer_ends
 
     def make_prompt(self, a: int, op: str, b: int) -> Prompt:
         """The question for ``a op b`` and its answer (see :meth:`ArithmeticTask.make_prompt`)."""
@@ -71,7 +78,9 @@ class ChatArithmeticTask(ArithmeticTask):
         return prompt
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        """Score the completion's last integer (0.0 when it holds none)."""
+        """Score the last integer of the answer (0.0 when it holds none)."""
+        if self.answer_ends is not None:
+            completion = completion.split(self.answer_ends, 1)[0]
         number = last_integer(completion)
         return 0.0 if number is None else super().reward(prompt, number)
 
