@@ -70,6 +70,33 @@ def grpo_config(spec: dict[str, Any], opts: dict[str, str]) -> Any:
     )
 
 
+def build_trainer(spec: dict[str, Any], args: Any, reward: Any, callbacks: list[Any]) -> Any:
+    """``GRPOTrainer`` on the spec's model (float32) and training problems, as chat prompts."""
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    tok = transformers.AutoTokenizer.from_pretrained(spec["model"])
+    tok.padding_side = "left"
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    problems = spec["train"]
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": p["text"]}] for p in problems],
+            "answer": [p["answer"] for p in problems],
+        }
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=callbacks,
+    )
+
+
 def watch(trainer: Any, current: dict[str, Any]) -> None:
     """Wrap ``trainer._generate`` to keep the batch's prompt ids and completion lengths."""
     generate = trainer._generate
@@ -90,8 +117,6 @@ def main() -> None:
 
     torch.set_num_threads(spec["threads"])
     import transformers
-    from datasets import Dataset
-    from trl import GRPOTrainer
 
     current: dict[str, Any] = {}
 
@@ -113,24 +138,7 @@ def main() -> None:
             }
             recorder.iteration_end(current["digest"], extras, kwargs["model"].save_pretrained)
 
-    tok = transformers.AutoTokenizer.from_pretrained(spec["model"])
-    tok.padding_side = "left"
-    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    problems = spec["train"]
-    dataset = Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": p["text"]}] for p in problems],
-            "answer": [p["answer"] for p in problems],
-        }
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=correct,
-        args=grpo_config(spec, opts),
-        train_dataset=dataset,
-        processing_class=tok,
-        callbacks=[Race()],
-    )
+    trainer = build_trainer(spec, grpo_config(spec, opts), correct, [Race()])
     watch(trainer, current)
     trainer.train()
     common.emit(recorder.result("trl", opts))

@@ -49,8 +49,6 @@ def main() -> None:
 
     torch.set_num_threads(spec["threads"])
     import transformers
-    from datasets import Dataset
-    from trl import GRPOTrainer
     from trl.trainer import grpo_trainer
 
     if opts.get("shuffle", "0") == "0":
@@ -64,26 +62,9 @@ def main() -> None:
     def correct(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
         return [common.reward(a, c[0]["content"]) for a, c in zip(answer, completions, strict=True)]
 
-    tok = transformers.AutoTokenizer.from_pretrained(spec["model"])
-    tok.padding_side = "left"
-    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    problems = spec["train"]
-    dataset = Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": p["text"]}] for p in problems],
-            "answer": [p["answer"] for p in problems],
-        }
-    )
     args = race.grpo_config(spec, {})
     args.logging_steps = 1
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=correct,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tok,
-        callbacks=[Log()],
-    )
+    trainer = race.build_trainer(spec, args, correct, [Log()])
     replay(trainer, rows)
     trainer.train()
     trainer.model.save_pretrained(os.path.join(out_dir, "policy"))

@@ -21,7 +21,9 @@ optimizer state carried between iterations is compared too. Printed and written 
   log-prob of the rows with positive and with negative advantage, and the mean per-token KL
   from the starting policy;
 - each side's logged metrics (TRL's loss, gradient norm and clip ratios; lppo's step
-  statistics).
+  statistics);
+- whether lppo's first-iteration rows follow the starting policy (:func:`sampler_check`), the
+  one thing the race's sides do not share besides the random stream.
 
 The rows' rewards are the race's verifier on both sides; TRL recomputes the advantages from
 them (``scale_rewards="group"``), and the JSON holds lppo's for comparison.
@@ -34,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,18 +91,75 @@ def weight_updates(base: Any, lppo: Any, trl: Any, worst: int = 8) -> dict[str, 
     }
 
 
+def response_logits(model: Any, rows: list[dict[str, Any]], batch: int = 16) -> Iterator[Any]:
+    """For each row, ``(logits, targets)``: ``[response, vocab]`` float64 logits predicting
+    its response tokens, and those tokens ``[response]``.
+
+    Rows are right-padded to the longest row and run ``batch`` at a time, so every forward
+    has one shape: a new shape per row grows the CPU kernels' caches by megabytes each.
+    """
+    import torch
+
+    longest = max(len(r["prompt"]) + len(r["response"]) for r in rows)
+    with torch.no_grad():
+        for first in range(0, len(rows), batch):
+            part = rows[first : first + batch]
+            ids = torch.zeros(len(part), longest, dtype=torch.long)
+            mask = torch.zeros(len(part), longest, dtype=torch.long)
+            for k, row in enumerate(part):
+                seq = row["prompt"] + row["response"]
+                ids[k, : len(seq)] = torch.tensor(seq)
+                mask[k, : len(seq)] = 1
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            for k, row in enumerate(part):
+                start, end = len(row["prompt"]) - 1, len(row["prompt"]) + len(row["response"]) - 1
+                yield logits[k, start:end].double(), ids[k, start + 1 : end + 1]
+
+
 def response_logprobs(model: Any, rows: list[dict[str, Any]]) -> list[Any]:
-    """Per-token log-probs of each row's response under ``model`` (one row at a time)."""
+    """Per-token log-probs (float64) of each row's response under ``model``."""
     import torch
 
     out = []
-    with torch.no_grad():
-        for row in rows:
-            ids = torch.tensor([row["prompt"] + row["response"]])
-            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
-            start = len(row["prompt"]) - 1
-            out.append(logp[start:].gather(-1, ids[0, 1:][start:, None])[:, 0])
+    for logits, targets in response_logits(model, rows):
+        out.append(torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0])
     return out
+
+
+def sampler_check(model: Any, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Whether ``rows`` were sampled from ``model`` at temperature 1, independently in a group.
+
+    Over the sampled tokens, the mean of ``-log p(token) - H(p)`` is 0 for a faithful sampler
+    (below 0: too greedy, above: too random); the standard error is over tokens. Within each
+    group (rows of one prompt), the share of pairs of rows whose first tokens agree is
+    ``sum p^2`` of the first token's distribution for independent draws.
+    """
+    import torch
+
+    gaps: list[float] = []
+    first_tokens: dict[tuple[int, ...], list[int]] = {}
+    first_agree: dict[tuple[int, ...], float] = {}
+    for row, (logits, targets) in zip(rows, response_logits(model, rows), strict=True):
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        gaps += (-logp.gather(-1, targets[:, None])[:, 0] - entropy).tolist()
+        key = tuple(row["prompt"])
+        first_tokens.setdefault(key, []).append(int(targets[0]))
+        first_agree[key] = float((logp[0].exp() ** 2).sum())
+    pairs = agree = expected = 0.0
+    for key, tokens in first_tokens.items():
+        n = len(tokens)
+        pairs += n * (n - 1) / 2
+        agree += sum(tokens[i] == tokens[j] for i in range(n) for j in range(i + 1, n))
+        expected += n * (n - 1) / 2 * first_agree[key]
+    gap = torch.tensor(gaps, dtype=torch.float64)
+    return {
+        "tokens": len(gaps),
+        "mean_nll_minus_entropy": float(gap.mean()),
+        "standard_error": float(gap.std() / len(gaps) ** 0.5),
+        "first_token_pairs_agreeing": agree / pairs if pairs else float("nan"),
+        "first_token_pairs_agreeing_if_independent": expected / pairs if pairs else float("nan"),
+    }
 
 
 def policy_change(base: Any, models: dict[str, Any], rows: list[dict[str, Any]]) -> dict:
@@ -136,6 +196,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--root", default="/tmp/lppo-race-update")
     p.add_argument("--trl-grpo-venv", default=os.path.join(REPO, ".venv-trl-grpo"))
     p.add_argument("--trl-shuffle", action="store_true", help="let TRL shuffle the rows")
+    p.add_argument(
+        "--reuse", action="store_true", help="compare the sides already trained under --root"
+    )
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "race_update.json"))
     return p.parse_args()
 
@@ -152,12 +215,14 @@ def main() -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     lppo_dir, trl_dir = os.path.join(args.root, "lppo"), os.path.join(args.root, "trl")
     run = [sys.executable, os.path.join(HERE, "_update_lppo.py"), spec_path, lppo_dir]
-    subprocess.run(run, check=True, env=env)
+    if not (args.reuse and os.path.exists(os.path.join(lppo_dir, "metrics.json"))):
+        subprocess.run(run, check=True, env=env)
     rows_path = os.path.join(lppo_dir, "rows.json")
     sides = {"lppo": lppo_dir, "trl": trl_dir}
     shuffle = f"shuffle={int(args.trl_shuffle)}"
     run = [trl_python, os.path.join(HERE, "_update_trl.py"), spec_path, rows_path, trl_dir, shuffle]
-    subprocess.run(run, check=True, env=env)
+    if not (args.reuse and os.path.exists(os.path.join(trl_dir, "metrics.json"))):
+        subprocess.run(run, check=True, env=env)
     with open(rows_path) as f:
         rows = json.load(f)
     base = load(spec["model"])
@@ -166,6 +231,7 @@ def main() -> None:
     for side, root in sides.items():
         with open(os.path.join(root, "metrics.json")) as f:
             metrics[side] = json.load(f)
+    first_iteration = spec["prompts_per_iteration"] * spec["samples_per_prompt"]
     doc = {
         "command": " ".join(["python", "bench/race_update.py", *sys.argv[1:]]),
         "iterations": args.iterations,
@@ -173,13 +239,14 @@ def main() -> None:
         "reward_mean": sum(r["reward"] for r in rows) / len(rows),
         "weights": weight_updates(base, models["lppo"], models["trl"]),
         "policy": policy_change(base, models, rows),
+        "sampler": sampler_check(base, rows[:first_iteration]),
         "metrics": metrics,
         "advantages_lppo": [r["advantage"] for r in rows],
     }
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
-    shown = ("iterations", "rows", "reward_mean", "weights", "policy")
+    shown = ("iterations", "rows", "reward_mean", "weights", "policy", "sampler")
     print(json.dumps({k: doc[k] for k in shown}, indent=1))
     print(args.json)
 

@@ -78,3 +78,31 @@ def test_policy_change_follows_the_update() -> None:
     change = race_update.policy_change(base, {"moved": moved(base, 0.05)}, rows)["moved"]
     assert change["kl_from_start_k3"] > 0
     assert change["mean_logprob_shift_positive_advantage"] != 0
+
+
+def sampled_rows(model: torch.nn.Module, greedy: bool, groups: int = 24, size: int = 8) -> list:
+    """``groups`` prompts × ``size`` responses of 4 tokens drawn from ``model`` at temperature 1."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        for g in range(groups):
+            prompt = [1 + g % 60, 2 + g % 50, 3]
+            for _ in range(size):
+                seq = list(prompt)
+                for _ in range(4):
+                    probs = torch.softmax(model(torch.tensor([seq])).logits[0, -1], dim=-1)
+                    pick = probs.argmax() if greedy else torch.multinomial(probs, 1, generator=gen)
+                    seq.append(int(pick))
+                rows.append({"prompt": prompt, "response": seq[len(prompt) :]})
+    return rows
+
+
+def test_sampler_check_tells_a_faithful_sampler_from_a_greedy_one() -> None:
+    model = tiny_model()
+    faithful = race_update.sampler_check(model, sampled_rows(model, greedy=False))
+    assert faithful["tokens"] == 24 * 8 * 4
+    assert abs(faithful["mean_nll_minus_entropy"]) < 3 * faithful["standard_error"]
+    greedy = race_update.sampler_check(model, sampled_rows(model, greedy=True, groups=6))
+    assert greedy["mean_nll_minus_entropy"] < -10 * greedy["standard_error"]
+    assert greedy["first_token_pairs_agreeing"] == 1.0
+    assert greedy["first_token_pairs_agreeing_if_independent"] < 0.5
