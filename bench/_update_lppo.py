@@ -1,4 +1,4 @@
-"""lppo's side of ``race_update.py``: one GRPO iteration of the race's recipe, rows kept.
+"""lppo's side of ``race_update.py``: the race's recipe for the spec's iterations, rows kept.
 
 Usage: ``python _update_lppo.py SPEC OUT_DIR`` (SPEC from ``real_model_race.write_spec``). A
 real ``lppo.PPOTrainer.fit`` of ``_race_lppo.build_system`` for the spec's iterations, rows left
@@ -25,7 +25,8 @@ import _race_lppo as race  # noqa: E402
 
 
 def keeper(out_dir: str) -> Any:
-    """The callback that writes the rows after the rollout and the policy after the update."""
+    """The callback that keeps each iteration's rows and actor steps, and writes them and the
+    policy when the fit ends."""
     from lppo.iteration.hooks import PPOCallback
     from lppo.run.export import export_policy
     from lppo.types import ADVANTAGES, INPUT_IDS, RESPONSE_MASK, REWARD

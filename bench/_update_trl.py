@@ -1,12 +1,12 @@
-"""TRL's side of ``race_update.py``: one ``GRPOTrainer`` iteration on lppo's recorded rows.
+"""TRL's side of ``race_update.py``: ``GRPOTrainer`` trained on lppo's recorded rows.
 
 Usage: ``python _update_trl.py SPEC ROWS OUT_DIR [shuffle=0|1]`` (runs in the TRL venv). The
-trainer is ``_race_trl.grpo_config``'s (the race's settings, one iteration = two optimizer
-steps), but it generates nothing: ``_generate_single_turn`` returns, for each prompt TRL
-tokenized, the next response lppo sampled for that prompt (ROWS, from ``_update_lppo.py``), so
-both trainers update from the same tokens and, through the shared verifier, the same rewards.
-With ``shuffle=0`` (the default) TRL's shuffle of the generation batch is the identity, so its
-first step trains the first half of the rows, as lppo's unshuffled run does. Writes
+trainer is ``_race_trl.grpo_config``'s (the race's settings: the spec's iterations, two
+optimizer steps each), but it generates nothing: ``_generate_single_turn`` returns, for each
+prompt TRL tokenized, the next response lppo sampled for that prompt (ROWS, from
+``_update_lppo.py``), so both trainers update from the same tokens and, through the shared
+verifier, the same rewards. With ``shuffle=0`` (the default) TRL's shuffle of the generation
+batch is the identity, so its steps train the same rows as lppo's unshuffled run. Writes
 ``OUT_DIR/policy`` (``save_pretrained``) and ``OUT_DIR/metrics.json`` (TRL's logged metrics).
 """
 
@@ -40,7 +40,7 @@ def replay(trainer: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    """Train one iteration on the rows, then write the policy and the metrics."""
+    """Train on the rows, then write the policy and the metrics."""
     spec, out_dir = common.load_spec(sys.argv[1]), sys.argv[3]
     with open(sys.argv[2]) as f:
         rows = json.load(f)

@@ -209,7 +209,8 @@ def main() -> None:
     spec_args = race.parse_args(
         ["--model", args.model, "--seed", str(args.seed), "--root", args.root, "--heldout", "1"]
     )
-    spec_args.samples_budget = spec_args.eval_every = 128 * args.iterations
+    per_iteration = spec_args.prompts_per_iteration * spec_args.samples_per_prompt
+    spec_args.samples_budget = spec_args.eval_every = per_iteration * args.iterations
     spec_path, spec = race.write_spec(spec_args)
     trl_python = ppo_bench.ensure_trl_venv(args.trl_grpo_venv, race.TRL_VERSION)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -231,7 +232,6 @@ def main() -> None:
     for side, root in sides.items():
         with open(os.path.join(root, "metrics.json")) as f:
             metrics[side] = json.load(f)
-    first_iteration = spec["prompts_per_iteration"] * spec["samples_per_prompt"]
     doc = {
         "command": " ".join(["python", "bench/race_update.py", *sys.argv[1:]]),
         "iterations": args.iterations,
@@ -239,7 +239,7 @@ def main() -> None:
         "reward_mean": sum(r["reward"] for r in rows) / len(rows),
         "weights": weight_updates(base, models["lppo"], models["trl"]),
         "policy": policy_change(base, models, rows),
-        "sampler": sampler_check(base, rows[:first_iteration]),
+        "sampler": sampler_check(base, rows[:per_iteration]),
         "metrics": metrics,
         "advantages_lppo": [r["advantage"] for r in rows],
     }
