@@ -33,6 +33,10 @@ __all__ = ["StoreTimeoutError", "acquire_tq", "bounded", "release_tq", "tq_contr
 #: The store's wait bound, named in every timeout message.
 TIMEOUT_KEY = "data.store.init_args.timeout_s"
 
+#: Longest wait for the catalog actor's process to start (a loaded machine takes seconds);
+#: kept apart from ``timeout_s``, which bounds calls, not process start-up.
+CATALOG_START_S = 120.0
+
 
 class StoreTimeoutError(TimeoutError):
     """A call of the TransferQueue replay store got no answer within its ``timeout_s``."""
@@ -153,7 +157,8 @@ def _start(tq: Any, num_storage_units: int) -> None:
         tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": need - 1}}})
     else:
         tq.init()  # attaches a client to the running controller and storage
-    _State.catalog = _get_catalog(ray)
+    _State.catalog = _get_catalog(ray)  # set first: a failed wait still stops it
+    _wait_started(ray, _State.catalog)
 
 
 def _get_catalog(ray: Any) -> Any:
@@ -168,6 +173,17 @@ def _get_catalog(ray: Any) -> Any:
     actor = ray.remote(num_cpus=0)(_tq_catalog.Catalog)
     _State.started_catalog = True
     return actor.options(name=name, namespace=namespace, get_if_exists=True).remote()
+
+
+def _wait_started(ray: Any, catalog: Any) -> None:
+    """Wait for the catalog actor's process, so that no call's ``timeout_s`` pays for it."""
+    try:
+        ray.get(catalog.__ray_ready__.remote(), timeout=CATALOG_START_S)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"the replay catalog actor did not start within {CATALOG_START_S:g} s; see the "
+            f"Ray session's logs ({RAY_KEY}.temp_dir) for why its process did not come up"
+        ) from None
 
 
 def _stop(tq: Any) -> None:
