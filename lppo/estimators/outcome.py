@@ -93,9 +93,12 @@ class _Outcome(RecordsInitArgs):
 class GRPO(_Outcome):
     """Group-relative advantages: ``A_i = (s_i − mean_g) / (std_g + eps)`` (DeepSeekMath).
 
-    ``mean_g`` and the population ``std_g`` are over the valid samples of row ``i``'s prompt.
-    With ``scale_by_std=false`` the division is dropped (Dr. GRPO). A group whose samples all
-    scored the same gets advantage 0 everywhere.
+    ``mean_g`` and the population ``std_g`` (divided by G) are over the valid samples of row
+    ``i``'s prompt. TRL and verl divide by G − 1 (the sample std), so these advantages are
+    √(G / (G − 1)) × theirs (1.069 at G = 8): a constant factor that AdamW cancels, but SGD
+    or a gradient clip that binds on one side only does not. With ``scale_by_std=false`` the
+    division is dropped (Dr. GRPO). A group whose samples all scored the same gets advantage 0
+    everywhere.
 
     Args:
         scale_by_std: divide by the group's standard deviation.
