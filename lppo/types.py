@@ -37,6 +37,8 @@ POLICY_VERSION = "policy_version"
 FOR_ITERATION = "for_iteration"
 # Token-level (float64) extra of a multi-turn row: each turn's own reward on its last token.
 TURN_REWARDS = "turn_rewards"
+# Token-level: a teacher's log-probabilities of the sampled tokens (on-policy distillation).
+TEACHER_LOGPROBS = "teacher_logprobs"
 # Row-level (int64, 0-dim): which prompt of its batch a row answers (group baselines read it).
 PROMPT_INDEX = "prompt_index"
 

@@ -39,6 +39,7 @@ NUMERIC = (int, float)
 #: integer knobs) fractions are tried on every knob besides these.
 OUT_OF_RANGE: dict[str, str] = {
     "cap": "0.5",
+    "coef": "0",
     "max_staleness": "-1",
     "dynamic_sampling_rounds": "-1",
     "call_reward": "nan",

@@ -1,6 +1,7 @@
 """PPO estimators and losses: small pure functions with their formulas in the docstrings."""
 
 from lppo.algorithms.advantages import advantages_and_returns, gae, last_valid_index, token_rewards
+from lppo.algorithms.distill import distill_advantages
 from lppo.algorithms.kl import KLKind, kl_loss, kl_penalty
 from lppo.algorithms.losses import (
     LOSS_AGGREGATIONS,
@@ -36,6 +37,7 @@ __all__ = [
     "PolicyTerms",
     "ValueTerms",
     "advantages_and_returns",
+    "distill_advantages",
     "entropy_from_logprobs",
     "gae",
     "importance_weights",

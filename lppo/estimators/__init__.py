@@ -1,6 +1,7 @@
 """Advantage estimators: the algorithm seam, chosen by ``class_path`` (``model.estimator``)."""
 
 from lppo.estimators.base import AdvantageEstimator, EstimatorInputs, TargetMoments, ValueTargets
+from lppo.estimators.distill import Distill
 from lppo.estimators.gae import GAE
 from lppo.estimators.outcome import GRPO, RLOO
 from lppo.estimators.reinforce_pp import ReinforcePP
@@ -10,6 +11,7 @@ __all__ = [
     "GRPO",
     "RLOO",
     "AdvantageEstimator",
+    "Distill",
     "EstimatorInputs",
     "ReinforcePP",
     "TargetMoments",

@@ -26,6 +26,7 @@ from lppo.types import (
     REF_LOGPROBS,
     RESPONSE_MASK,
     REWARD,
+    TEACHER_LOGPROBS,
     VALUES,
     Chunk,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "OwnColumns",
     "PiOldProducer",
     "Scorer",
+    "check_read",
     "check_reads",
     "old_values",
     "pi_old",
@@ -274,6 +276,7 @@ def writers(
     old_values_name: str | None,
     reference: bool,
     estimator: AdvantageEstimatorLike,
+    teacher: bool = False,
 ) -> dict[str, str]:
     """Each column of an iteration and what writes it (step 4 of the run plan).
 
@@ -282,6 +285,7 @@ def writers(
         old_values_name: ``model.ppo.old_values``, resolved (``None``: no critic).
         reference: a reference policy is scored (the KL penalty or loss is on).
         estimator: the advantage estimator (its :meth:`writes`).
+        teacher: a teacher is scored (on-policy distillation).
     """
     out = {c: "the rollout" for c in ROLLOUT_COLUMNS}
     out[OLD_LOGPROBS] = f"model.ppo.old_logprobs={old_logprobs}"
@@ -289,6 +293,8 @@ def writers(
         out[VALUES] = f"model.ppo.old_values={old_values_name}"
     if reference:
         out[REF_LOGPROBS] = "the reference policy (score phase)"
+    if teacher:
+        out[TEACHER_LOGPROBS] = "model.teacher (score phase)"
     for name in estimator.writes():
         out[name] = f"model.estimator={type(estimator).__name__}"
     return out
@@ -307,5 +313,22 @@ def check_reads(readers: list[ColumnReader], written: dict[str, str]) -> None:
                 raise SettingError(
                     f"{reader.who} reads the column {name!r}, which nothing in this run writes "
                     f"(written: {known}); change {reader.who} or give the part that writes it "
-                    "(model.critic for values, a KL coefficient for ref_logprobs)."
+                    "(model.critic for values, a KL coefficient for ref_logprobs, model.teacher "
+                    "for teacher_logprobs)."
                 )
+
+
+def check_read(name: str, writer: str, readers: list[ColumnReader]) -> None:
+    """Refuse a part whose only job is to write the column ``name`` when no phase reads it.
+
+    Raises:
+        SettingError: naming the part, the column and the readers.
+    """
+    if any(name in reader.reads for reader in readers):
+        return
+    who = ", ".join(reader.who for reader in readers)
+    raise SettingError(
+        f"{writer} is set, but nothing in this run reads its column {name!r} (read by: {who}); "
+        "it would be computed for nothing. Use an estimator that reads it "
+        "(lppo.estimators.Distill for model.teacher) or remove it."
+    )

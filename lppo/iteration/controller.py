@@ -85,6 +85,8 @@ class PPOController:
         plan: the run plan (:class:`~lppo.run.plan.RunPlan`), whose resolved ``ppo`` is the
             controller's config; ``None`` (a controller built on its own): the producers of
             π_old and old values are decided for ``config`` here, with no engine known.
+        teacher: the frozen teacher of on-policy distillation, scored in the score phase
+            (``teacher_logprobs``); ``None``: none.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class PPOController:
         reward_model: RewardModel | None = None,
         run_log: RunLog | None = None,
         plan: RunPlan | None = None,
+        teacher: ActorModule | None = None,
     ) -> None:
         self.actor = actor
         self.critic = critic
@@ -110,7 +113,9 @@ class PPOController:
             self.config = plan.ppo
         else:
             given = config if config is not None else PPOConfig()
-            self.config = resolve_columns(given, self.estimator, actor, critic)
+            self.config = resolve_columns(
+                given, self.estimator, actor, critic, teacher=teacher is not None
+            )
         if (self.config.kl_coef > 0 or actor.needs_reference) and reference is None:
             raise ValueError(
                 f"model.ppo.kl_coef={self.config.kl_coef} with model.actor.init_args."
@@ -123,11 +128,11 @@ class PPOController:
         for module in self.trainable_modules():
             module.parallel = self.parallel
         if self.config.disable_dropout:
-            for module in (actor, critic, reference):
+            for module in (actor, critic, reference, teacher):
                 if module is not None:
                     disable_dropout(module)
         self.scorer = ScorePhase(
-            actor, critic, reference, reward_model, data, self.config, self.parallel.data
+            actor, critic, reference, reward_model, data, self.config, self.parallel.data, teacher
         )
         self.callbacks: list[PPOCallback] = list(callbacks)
         self.trainer = trainer

@@ -120,7 +120,8 @@ def actor_epoch_obstacles(
     """Why the actor's first epoch cannot compute π_old exactly here (empty: it can).
 
     It can when nothing reads π_old before that epoch and no step changes the actor inside
-    it: no KL penalty in the reward (the advantages read π_old), an estimator whose
+    it: no KL penalty in the reward (the advantages read π_old), an estimator that does not
+    declare π_old among its reads (:class:`~lppo.estimators.Distill` does), an estimator whose
     ``estimate`` is lppo's own (a custom one may read it), ``actor_minibatches: 1``,
     ``disable_dropout: true``, no critic warmup (an iteration without actor epochs still
     reports the mismatch) and an actor that keeps :class:`~lppo.modules.ActorModule`'s
@@ -129,6 +130,8 @@ def actor_epoch_obstacles(
     reasons = []
     if config.kl_coef > 0:
         reasons.append(f"model.ppo.kl_coef={config.kl_coef} (the KL reward reads π_old)")
+    if OLD_LOGPROBS in estimator.reads():
+        reasons.append(f"model.estimator={type(estimator).__name__} reads π_old")
     estimate = next(c for c in type(estimator).__mro__ if "estimate" in vars(c))
     if not estimate.__module__.startswith("lppo.estimators"):
         reasons.append(f"{type(estimator).__name__} has its own estimate (it may read π_old)")

@@ -3,9 +3,9 @@
 :func:`rollout_stats` reduces the rollout's per-row scalars over the data-parallel ranks.
 :class:`ScorePhase` streams the iteration's rows once without gradients and writes back, per
 chunk, π_old log-probabilities (or the engine's: ``ppo.old_logprobs: rollout``; none with
-``actor``, whose first epoch computes them), reference log-probabilities (KL on), the
-critic's old values (``ppo.old_values: score``) and a reward model's scores, which it then
-combines with the task's reward, row by row.
+``actor``, whose first epoch computes them), reference log-probabilities (KL on), a
+teacher's (distillation), the critic's old values (``ppo.old_values: score``) and a reward
+model's scores, which it then combines with the task's reward, row by row.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lppo.types import (
     REWARD,
     RM_SCORE,
     TASK_REWARD,
+    TEACHER_LOGPROBS,
     VALUES,
     EpisodeReport,
     RolloutStats,
@@ -108,6 +109,7 @@ class ScorePhase:
         data: the store and the chunk streams.
         config: the algorithm settings (``old_logprobs``, ``old_values``).
         group: the data-parallel group (each rank scores its own rows).
+        teacher: the frozen teacher of on-policy distillation, else ``None``.
     """
 
     def __init__(
@@ -119,10 +121,12 @@ class ScorePhase:
         data: ReplayDataModule,
         config: PPOConfig,
         group: ProcessGroup,
+        teacher: ActorModule | None = None,
     ) -> None:
         self.actor = actor
         self.critic = critic if old_values(config.old_values).stage == "score" else None
         self.reference = reference
+        self.teacher = teacher
         self.reward_model = reward_model
         self.data = data
         #: π_old's producer (:mod:`lppo.iteration.columns`); ``None`` when the actor's first
@@ -135,7 +139,7 @@ class ScorePhase:
     def models(self) -> list[torch.nn.Module]:
         """The modules whose forwards this phase runs (each rank its own number of them)."""
         actor = self.actor if self.pi_old is not None and self.pi_old.runs_actor else None
-        found = (actor, self.critic, self.reference, self.reward_model)
+        found = (actor, self.critic, self.reference, self.teacher, self.reward_model)
         return [m for m in found if m is not None]
 
     @torch.no_grad()
@@ -162,6 +166,8 @@ class ScorePhase:
                 columns[VALUES] = unpad(chunk, self.critic.score(chunk))
             if self.reference is not None:
                 columns[REF_LOGPROBS] = unpad(chunk, self.reference.score(chunk))
+            if self.teacher is not None:
+                columns[TEACHER_LOGPROBS] = unpad(chunk, self.teacher.score(chunk))
             if self.reward_model is not None:
                 rows = self.reward_model.score(chunk).tolist()
                 scores.update(zip(chunk.row_ids, rows, strict=True))

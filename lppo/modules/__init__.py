@@ -4,6 +4,7 @@ from lppo.modules.actor import ActorModule, shifted_logprobs
 from lppo.modules.critic import CriticModule
 from lppo.modules.lifecycle import ChunkResult, NonFiniteParameters, PPOModule, StepStateError
 from lppo.modules.reward_model import RewardModel
+from lppo.modules.teacher import Teacher
 
 __all__ = [
     "ActorModule",
@@ -13,5 +14,6 @@ __all__ = [
     "PPOModule",
     "RewardModel",
     "StepStateError",
+    "Teacher",
     "shifted_logprobs",
 ]

@@ -200,7 +200,9 @@ class HFCausalLM:
             **ids,
         )
 
-    def check_vocabulary(self, key: str, tokenizer: Any, resize: bool) -> None:
+    def check_vocabulary(
+        self, key: str, tokenizer: Any, resize: bool, fix: str | None = None
+    ) -> None:
         """Refuse a checkpoint whose vocabulary is not the run's tokenizer's, unless ``resize``.
 
         A checkpoint with fewer token embeddings than the tokenizer has tokens, or one that
@@ -210,6 +212,7 @@ class HFCausalLM:
             key: where the spec sits in the configuration (``model.actor.init_args.model``).
             tokenizer: the run's tokenizer.
             resize: ``model.resize_embeddings``: resize the embeddings to the tokenizer instead.
+            fix: what the message proposes (``None``: the run's tokenizer, or resizing).
 
         Raises:
             SettingError: naming the checkpoint, both vocabularies and the fixes.
@@ -231,11 +234,14 @@ class HFCausalLM:
             )
         else:
             return
+        fix = fix or (
+            f"Use its own tokenizer (model.tokenizer_path={path!r}) or a checkpoint trained with "
+            "the run's; or set model.resize_embeddings: true to resize its embeddings to the "
+            "run's tokenizer (rows it adds start untrained)."
+        )
         raise SettingError(
             f"{key}.init_args.pretrained_path={path!r} {problem}: the run's token ids would "
-            f"not mean its tokens. Use its own tokenizer (model.tokenizer_path={path!r}) or a "
-            "checkpoint trained with the run's; or set model.resize_embeddings: true to resize "
-            "its embeddings to the run's tokenizer (rows it adds start untrained)."
+            f"not mean its tokens. {fix}"
         )
 
     def _random_causal_lm(

@@ -41,7 +41,7 @@ from lppo.algorithms.off_policy import OffPolicyCorrection
 from lppo.config import PPOConfig
 from lppo.decisions import Decision, note
 from lppo.estimators import AdvantageEstimator
-from lppo.iteration.columns import ColumnReader, check_reads, writers
+from lppo.iteration.columns import ColumnReader, check_read, check_reads, writers
 from lppo.iteration.critic_targets import resolve_old_values
 from lppo.iteration.data_settings import DataSettings
 from lppo.iteration.old_logprobs import RowSource, engine_obstacles, resolve_old_logprobs
@@ -55,7 +55,7 @@ from lppo.rollout.pipeline import default_runner, stale_correction
 from lppo.rollout.runners import RolloutRunner
 from lppo.runtime.ray_runtime import RaySettings, local_ray_cpus
 from lppo.tasks.base import Task
-from lppo.types import OLD_LOGPROBS, PROMPT_INDEX, REF_LOGPROBS
+from lppo.types import OLD_LOGPROBS, PROMPT_INDEX, REF_LOGPROBS, TEACHER_LOGPROBS
 from lppo.validation import SettingError
 
 __all__ = ["PLAN_KEY", "RunParts", "RunPlan", "plan_changes", "resolve_columns"]
@@ -85,6 +85,7 @@ class RunParts:
         tokenizer: the run's tokenizer.
         store: the replay store (its Ray services are counted against ``ray``).
         ray: ``trainer.ray`` (``None``: the default settings).
+        teacher: the frozen teacher of on-policy distillation (``None``: none).
     """
 
     actor: ActorModule
@@ -103,6 +104,7 @@ class RunParts:
     tokenizer: Any = None
     store: ReplayStore | None = None
     ray: RaySettings | None = None
+    teacher: ActorModule | None = None
 
 
 @dataclass
@@ -139,7 +141,9 @@ class RunPlan:
         runner = _runner(parts)
         _check_ray_cpus(parts, runner)
         layout = parts.parallel.layout
-        ppo = resolve_columns(parts.ppo, parts.estimator, parts.actor, parts.critic, parts)
+        ppo = resolve_columns(
+            parts.ppo, parts.estimator, parts.actor, parts.critic, parts, parts.teacher is not None
+        )
         parts.actor.off_policy = _off_policy(parts, ppo)
         score = parts.data.score_budget
         why = "" if parts.data.max_tokens_per_score_chunk is not None else "the training budget"
@@ -148,7 +152,7 @@ class RunPlan:
         setting = str(parts.data.max_tokens_per_score_chunk)
         note("data.max_tokens_per_score_chunk", str(score), why, setting)
         note("trainer.strategy", parts.strategy, type(layout).__name__, setting="")
-        modules = (parts.actor, parts.critic, parts.reference)
+        modules = (parts.actor, parts.critic, parts.reference, parts.teacher)
         chars = parts.task.max_prompt_length() if parts.task is not None else None
         samples = parts.rollout.samples_per_prompt
         share = decide_share_prompts(parts.data.share_prompts, modules, chars, samples)
@@ -190,6 +194,7 @@ def resolve_columns(
     actor: ActorModule,
     critic: CriticModule | None,
     parts: RunParts | None = None,
+    teacher: bool = False,
 ) -> PPOConfig:
     """``config`` with the producers of old values and π_old decided (step 3).
 
@@ -199,6 +204,7 @@ def resolve_columns(
     With ``parts`` (a run) the engine is asked whether its log-probs are π_old at the run's
     final dtype, and told to return them when it is picked; without (a controller built on its
     own) no engine is known and π_old comes from the first actor epoch or a separate pass.
+    ``teacher``: a teacher is scored (it writes ``teacher_logprobs``, which someone must read).
     """
     config = resolve_old_values(config, estimator, critic)
     obstacles = None
@@ -223,7 +229,10 @@ def resolve_columns(
     if critic is not None:
         readers.append(ColumnReader("model.critic", tuple(critic.reads())))
     values = config.old_values if critic is not None else None
-    check_reads(readers, writers(config.old_logprobs, values, reference, estimator))
+    written = writers(config.old_logprobs, values, reference, estimator, teacher)
+    check_reads(readers, written)
+    if teacher:
+        check_read(TEACHER_LOGPROBS, "model.teacher", readers)
     return config
 
 

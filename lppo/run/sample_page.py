@@ -73,7 +73,8 @@ function tooltip(t) {
   const lines = ['token ' + t.id + ' at ' + t.position + (t.policy ? '' : ' (observation)')];
   const names = [['advantage', 'advantage'], ['mismatch', 'mismatch (π_old − μ)'],
     ['gen_logprob', 'μ log-prob (engine)'], ['old_logprob', 'π_old log-prob'],
-    ['ref_logprob', 'reference log-prob'], ['value', 'value'],
+    ['ref_logprob', 'reference log-prob'], ['teacher_logprob', 'teacher log-prob'],
+    ['value', 'value'],
     ['value_target', 'value target'], ['turn_reward', 'turn reward']];
   for (const [k, label] of names) {
     if (t[k] !== null && t[k] !== undefined) lines.push(label + ' ' + fmt(t[k]));

@@ -38,6 +38,7 @@ from lppo.types import (
     REWARD,
     RM_SCORE,
     TASK_REWARD,
+    TEACHER_LOGPROBS,
     TURN_REWARDS,
     VALUES,
 )
@@ -47,7 +48,9 @@ __all__ = ["SampleRow", "SampleToken", "SampleTurn", "choose_rows", "read_sample
 #: Columns every row has (the rollout puts them).
 _ROW_COLUMNS = (INPUT_IDS, RESPONSE_MASK, GEN_LOGPROBS, REWARD, PROMPT_INDEX)
 #: Token-level columns a run may lack (no critic, no reference, not yet written, single turn).
-_TOKEN_COLUMNS = (OLD_LOGPROBS, REF_LOGPROBS, VALUES, ADVANTAGES, RETURNS, TURN_REWARDS)
+_TOKEN_COLUMNS = (
+    OLD_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, ADVANTAGES, RETURNS, TURN_REWARDS
+)  # fmt: skip
 #: Row-level columns a run may lack (no reward model, no provenance).
 _SCALAR_COLUMNS = (TASK_REWARD, RM_SCORE, POLICY_VERSION)
 #: Rows whose prompt index is read at a time while looking for distinct prompts.
@@ -72,6 +75,7 @@ class SampleToken:
         gen_logprob: the engine's log-probability when sampling it (μ; ``gen_logprobs``).
         old_logprob: π_old, the trainer's log-probability before the update (``old_logprobs``).
         ref_logprob: the reference policy's (``ref_logprobs``; runs with a KL term).
+        teacher_logprob: the teacher's (``teacher_logprobs``; on-policy distillation).
         value: the critic's value before the token (``values``; runs with a critic).
         advantage: the advantage the actor trained on (``advantages``, whitened if so set).
         value_target: the critic's target (``returns``; runs with a critic).
@@ -89,6 +93,7 @@ class SampleToken:
     gen_logprob: float | None = None
     old_logprob: float | None = None
     ref_logprob: float | None = None
+    teacher_logprob: float | None = None
     value: float | None = None
     advantage: float | None = None
     value_target: float | None = None
@@ -316,6 +321,7 @@ def _tokens(
                 gen_logprob=at(GEN_LOGPROBS, t, sampled),
                 old_logprob=at(OLD_LOGPROBS, t, sampled),
                 ref_logprob=at(REF_LOGPROBS, t, sampled),
+                teacher_logprob=at(TEACHER_LOGPROBS, t, sampled),
                 value=at(VALUES, t, weighed),
                 advantage=at(ADVANTAGES, t, weighed),
                 value_target=at(RETURNS, t, weighed),

@@ -21,7 +21,7 @@ from lppo.iteration.failure_policy import FailurePolicy
 from lppo.iteration.hooks import PPOCallback
 from lppo.layouts.base import ParallelContext
 from lppo.loop import attached_trainer, instantiated_by_cli
-from lppo.modules import ActorModule, CriticModule, RewardModel
+from lppo.modules import ActorModule, CriticModule, RewardModel, Teacher
 from lppo.modules.tokenizer import check_vocabularies, run_tokenizer
 from lppo.rollout import HFGenerateEngine, RolloutEngine, RolloutSettings, RolloutSource
 from lppo.rollout.capabilities import capabilities_of
@@ -86,6 +86,9 @@ class PPOSystem(LightningModule):
         resize_embeddings: resize a checkpoint's token embeddings (actor, critic or reward
             model) to the run's tokenizer when their vocabularies differ (rows it adds start
             untrained); ``false`` (default): such a checkpoint is refused at setup.
+        teacher: a frozen model for on-policy distillation (:class:`~lppo.modules.Teacher`),
+            scored in the score phase; ``model.estimator`` must read its log-probs
+            (``lppo.estimators.Distill``). ``null``: none.
     """
 
     #: ``model.num_threads`` is applied at setup, so a resumed run may change it.
@@ -106,14 +109,16 @@ class PPOSystem(LightningModule):
         num_threads: int | None = None,
         runner: RolloutRunner | None = None,
         resize_embeddings: bool = False,
+        teacher: Teacher | None = None,
     ) -> None:
         super().__init__()
         _check_own_settings(seed, num_threads, resize_embeddings)
         self.resize_embeddings = resize_embeddings
         # Under LightningCLI the hparams are the parsed config, from which load_from_checkpoint
         # rebuilds everything; from Python, objects stay out (weights_only=True loads).
-        objects = "actor critic task engine estimator reward_model rollout ppo runner".split()
-        self.save_hyperparameters(ignore=[] if instantiated_by_cli() else objects, logger=False)
+        objects = "actor critic task engine estimator reward_model rollout ppo runner teacher"
+        ignore = [] if instantiated_by_cli() else objects.split()
+        self.save_hyperparameters(ignore=ignore, logger=False)
         self.automatic_optimization = False
         self.actor, self.critic = actor, critic
         self.task = task
@@ -133,6 +138,7 @@ class PPOSystem(LightningModule):
         #: What the run started (Ray, store, engine, runner), closed by :meth:`teardown`.
         self.resources = RunResources()
         self.reference: ActorModule | None = None
+        self.teacher = teacher
         self.tokenizer: Any = None
         self.controller: PPOController | None = None
         self.rollout_source: RolloutSource | None = None
@@ -180,6 +186,7 @@ class PPOSystem(LightningModule):
             actor=self.actor,
             critic=self.critic,
             reference=self.reference,
+            teacher=self.teacher,
             engine=self.engine,
             estimator=self.estimator,
             ppo=self.ppo,
@@ -225,6 +232,7 @@ class PPOSystem(LightningModule):
             self.critic,
             data,
             reference=self.reference,  # config: the plan's resolved model.ppo (plan=)
+            teacher=self.teacher,
             callbacks=callbacks,
             estimator=self.estimator,
             parallel=parallel,
@@ -295,6 +303,8 @@ class PPOSystem(LightningModule):
             role.max_response_tokens = self.rollout.max_new_tokens
         if self.ppo.kl_coef > 0 or self.actor.needs_reference:
             self.reference = self.actor.reference_policy()
+        if self.teacher is not None:
+            self.teacher.prepare(tok, parallel, self.rollout.temperature)
 
     def _datamodule(self, trainer: Any) -> ReplayDataModule:
         data = getattr(trainer, "datamodule", None) if trainer is not None else None
