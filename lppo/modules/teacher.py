@@ -49,24 +49,17 @@ class Teacher(ActorModule):
     ) -> None:
         super().__init__(model=model, trim_prompt=trim_prompt, vocab_chunk=vocab_chunk)
 
-    def configure_model(
-        self,
-        vocab_size: int | None = None,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
-    ) -> None:
-        """Build the model (as the actor's), then freeze it."""
-        super().configure_model(vocab_size, pad_token_id, bos_token_id, eos_token_id)
-        self.requires_grad_(False)
-        self.eval()
-
     def prepare(self, tokenizer: Any, parallel: ParallelContext, temperature: float) -> None:
-        """Check the tokenizer, build the model in the run's layout, score at ``temperature``."""
+        """Check the tokenizer, build the model in the run's layout, and freeze it.
+
+        It then scores at ``temperature``: the sampling temperature, as π_old.
+        """
         self.check_tokenizer(tokenizer)
         self.parallel = parallel
         ids = tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
         self.configure_model(len(tokenizer), *ids)
+        self.requires_grad_(False)
+        self.eval()
         self.temperature = temperature
 
     def check_tokenizer(self, tokenizer: Any) -> None:
