@@ -1,8 +1,9 @@
 """``ToolEnvironment``: the policy calls Python tools through its chat template.
 
 The episode opens with the prompt as a user turn, rendered by the chat template with the
-tools' JSON schemas (``apply_chat_template(messages, tools=...)``). A policy turn holding
-``<tool_call>{json}</tool_call>`` blocks (the Hermes / Qwen format) is answered with the
+tools' JSON schemas (``apply_chat_template(messages, tools=...)``). A policy turn holding tool
+calls, in the model family's format (:mod:`lppo.envs.tool_formats`: Hermes / Qwen
+``<tool_call>`` blocks, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``), is answered with the
 tools' results as one templated tool turn, followed by the next assistant header; a turn
 without a call is the final answer, which the task scores. A call to a missing tool,
 malformed JSON, bad arguments or a tool that raises gives the model an error message to read
@@ -21,7 +22,8 @@ from typing import Any, Literal
 
 from lppo.envs.base import Episode, Observation, Turn
 from lppo.envs.templates import HERMES_CHATML, lost_characters, renders_tools
-from lppo.envs.tools import ToolBox, ToolCall, ToolResult, format_tool_call, parse_tool_calls
+from lppo.envs.tool_formats import ToolCallFormat, detect
+from lppo.envs.tools import ToolBox, ToolCall, ToolResult
 from lppo.tasks.base import Prompt
 from lppo.validation import SettingError
 
@@ -51,7 +53,7 @@ class _ToolEpisode:
 
     def step(self, turn: Turn) -> Observation:
         text, self.prefix = self.prefix + turn.text, ""
-        calls, errors = parse_tool_calls(text)
+        calls, errors = self.env.format.parse(text)
         if not calls and not errors:
             return Observation(done=True)
         results = [self.env.tools.call(c) for c in calls[: self.env.max_calls_per_turn]]
@@ -70,7 +72,7 @@ class _ToolEpisode:
 
 
 class ToolEnvironment:
-    """Tool calling with the Hugging Face chat template and Hermes ``<tool_call>`` blocks.
+    """Tool calling with the Hugging Face chat template, in the model family's call format.
 
     Args:
         tools: the tools, Python functions with type hints and Google-style docstrings (their
@@ -84,7 +86,7 @@ class ToolEnvironment:
         system_prompt: a system message opening every conversation (``null``: the
             template's default).
         few_shot: messages placed before the prompt's user turn in every conversation (a
-            worked exchange: ``user``, ``assistant`` with a ``<tool_call>`` block, ``tool``,
+            worked exchange: ``user``, ``assistant`` with a tool call, ``tool``,
             ``assistant``), which small models need to see the call format used once.
         assistant_prefix: text that opens the first assistant turn, in the prompt (never
             trained on), read as the start of that turn: e.g. ``<tool_call>`` and the start of
@@ -93,6 +95,10 @@ class ToolEnvironment:
         timeout_s: longest a tool call may run before it is stopped (an error observation).
         max_output_chars: a tool's answer is cut to this many characters.
         max_calls_per_turn: calls of one turn that are run; the rest are ignored.
+        tool_format: how the model writes a call (:mod:`lppo.envs.tool_formats`), e.g.
+            ``{class_path: lppo.envs.tool_formats.Llama3JsonCalls}``; ``auto``: read from the
+            chat template (:func:`~lppo.envs.tool_formats.detect`; Hermes ``<tool_call>``
+            blocks with ``template: hermes`` and wherever the template shows no other).
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class ToolEnvironment:
         timeout_s: float = 10.0,
         max_output_chars: int = 2000,
         max_calls_per_turn: int = 4,
+        tool_format: ToolCallFormat | Literal["auto"] = "auto",
     ) -> None:
         if template not in ("tokenizer", "hermes"):
             raise SettingError(f"{_KEY}.template={template!r}: use 'tokenizer' or 'hermes'.")
@@ -121,6 +128,14 @@ class ToolEnvironment:
                 raise SettingError(
                     f"{_KEY}.few_shot[{i}]={message!r}: a message has a 'role' and a 'content'."
                 )
+        if tool_format != "auto" and not isinstance(tool_format, ToolCallFormat):
+            raise SettingError(
+                f"{_KEY}.tool_format={tool_format!r}: use auto or a class with parse and format "
+                "(lppo.envs.tool_formats.HermesCalls, Llama3JsonCalls, MistralCalls)."
+            )
+        self.tool_format = tool_format
+        #: The format in use: ``tool_format``, or what ``auto`` read at :meth:`setup`.
+        self.format: ToolCallFormat = detect(None) if tool_format == "auto" else tool_format
         self.max_calls_per_turn = max_calls_per_turn
         self.assistant_prefix = assistant_prefix
         self._tokenizer: Any = None
@@ -131,7 +146,7 @@ class ToolEnvironment:
 
         The probe is rendered as every episode is: the opening (system turn with the tools'
         schemas, few-shot messages, a user turn, the assistant header and prefix), a call of the
-        first tool (:func:`~lppo.envs.tools.format_tool_call`) and its tool turn. Checked:
+        first tool (as :attr:`format` writes it) and its tool turn. Checked:
 
         1. ``template: tokenizer``: the tokenizer's template renders ``tools=``;
         2. vocabulary: each part comes back from the tokenizer (encode, then decode) with every
@@ -155,6 +170,8 @@ class ToolEnvironment:
             )
         if tokenizer.eos_token is None:
             raise SettingError("ToolEnvironment needs a tokenizer with an end-of-turn (EOS) token")
+        if self.tool_format == "auto":
+            self.format = detect(None if self.template == "hermes" else tokenizer.chat_template)
         self._tokenizer = tokenizer
         try:
             self._check_probe(tokenizer)
@@ -166,13 +183,13 @@ class ToolEnvironment:
         """A probe conversation's renderings: ``(opening, call, with the call, with its answer)``.
 
         The opening as :meth:`_ToolEpisode.opening` renders it (without the assistant prefix),
-        the Hermes text of a call of the first tool, the conversation ending with that call as
-        the assistant's turn, then with the tool's answer and the next assistant header.
+        a call of the first tool as :attr:`format` writes it, the conversation ending with that
+        call as the assistant's turn, then with the tool's answer and the next assistant header.
         """
         function = self.tools.schemas[0]["function"]
         properties = function.get("parameters", {}).get("properties", {})
         arguments = {k: _EXAMPLE_VALUES.get(v.get("type"), "1") for k, v in properties.items()}
-        call = format_tool_call(ToolCall(function["name"], arguments))
+        call = self.format.format(ToolCall(function["name"], arguments))
         messages = _ToolEpisode(self, Prompt("", "")).messages
         before = [*messages, {"role": "assistant", "content": call}]
         tool = {"role": "tool", "name": function["name"], "content": "1"}
@@ -204,7 +221,7 @@ class ToolEnvironment:
                     f"{_KEY}.template={self.template!r}: the tokenizer {_named(tokenizer)} cannot "
                     f"express a tool call: encoded and decoded, {where} loses {len(lost)} "
                     f"character(s) {lost[:40]!r} (to {tokenizer.unk_token or 'other text'}), so "
-                    "the policy could neither read its tools nor write a <tool_call>; set "
+                    "the policy could neither read its tools nor write a tool call; set "
                     "model.tokenizer_path to a chat model's tokenizer that has them (e.g. "
                     "SmolLM2-Instruct's, with template: hermes)."
                 )
