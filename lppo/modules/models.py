@@ -9,6 +9,7 @@ without touching the global RNG. Every built model exposes ``model.config.hidden
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,15 @@ class HFCausalLM:
         Raises:
             SettingError: naming the checkpoint, both vocabularies and the fixes.
         """
-        if self.pretrained_path is None or resize:
+        if self.pretrained_path is None:
+            return
+        if not os.path.isdir(self.pretrained_path):
+            raise SettingError(
+                f"{key}.init_args.pretrained_path={self.pretrained_path!r} is not a directory "
+                f"(from {os.getcwd()!r}): give a local Hugging Face checkpoint directory (lppo "
+                "loads offline), e.g. an HFExport's <run dir>/hf/policy."
+            )
+        if resize:
             return
         path, size = self.pretrained_path, len(tokenizer)
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)

@@ -170,3 +170,11 @@ def test_a_given_teacher_model_with_too_few_embeddings_is_refused():
     small = spec(5).build(len(tok) - 3, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     with pytest.raises(SettingError, match=r"model.teacher.init_args.model: .* token embeddings"):
         Teacher(small).check_tokenizer(tok)
+
+
+def test_a_teacher_path_that_is_not_a_directory_is_refused_naming_the_key(tmp_path: Path):
+    tok = build_char_tokenizer(CopyTask().vocabulary())
+    teacher = Teacher(HFCausalLM(pretrained_path=str(tmp_path / "not-trained-yet")))
+    key = r"model.teacher.init_args.model.init_args.pretrained_path='.*not-trained-yet'"
+    with pytest.raises(SettingError, match=rf"{key} is not a directory"):
+        teacher.check_tokenizer(tok)
