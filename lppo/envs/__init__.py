@@ -6,7 +6,13 @@ from lppo.envs.jail import Bubblewrap, Jail, JailError, Unjailed
 from lppo.envs.python_tool import PythonTool, run_jailed, run_python
 from lppo.envs.templates import HERMES_CHATML
 from lppo.envs.tool_env import ToolEnvironment
-from lppo.envs.tool_formats import HermesCalls, Llama3JsonCalls, MistralCalls, ToolCallFormat
+from lppo.envs.tool_formats import (
+    HermesCalls,
+    Llama3JsonCalls,
+    MistralCalls,
+    ResponseTemplateCalls,
+    ToolCallFormat,
+)
 from lppo.envs.tools import ToolBox, ToolCall, ToolResult, format_tool_call, parse_tool_calls
 
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "MistralCalls",
     "Observation",
     "PythonTool",
+    "ResponseTemplateCalls",
     "ToolBox",
     "ToolCall",
     "ToolCallFormat",

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from lppo.envs.base import Episode, Observation, Turn
 from lppo.envs.templates import HERMES_CHATML, lost_characters, renders_tools
-from lppo.envs.tool_formats import ToolCallFormat, detect
+from lppo.envs.tool_formats import ToolCallFormat, detect, for_tokenizer
 from lppo.envs.tools import ToolBox, ToolCall, ToolResult
 from lppo.tasks.base import Prompt
 from lppo.validation import SettingError
@@ -96,9 +96,10 @@ class ToolEnvironment:
         max_output_chars: a tool's answer is cut to this many characters.
         max_calls_per_turn: calls of one turn that are run; the rest are ignored.
         tool_format: how the model writes a call (:mod:`lppo.envs.tool_formats`), e.g.
-            ``{class_path: lppo.envs.tool_formats.Llama3JsonCalls}``; ``auto``: read from the
-            chat template (:func:`~lppo.envs.tool_formats.detect`; Hermes ``<tool_call>``
-            blocks with ``template: hermes`` and wherever the template shows no other).
+            ``{class_path: lppo.envs.tool_formats.Llama3JsonCalls}``; ``auto``: the tokenizer's
+            response template where it ships one, else read from the chat template
+            (:func:`~lppo.envs.tool_formats.for_tokenizer`; Hermes ``<tool_call>`` blocks with
+            ``template: hermes`` and wherever the template shows no other).
     """
 
     def __init__(
@@ -171,7 +172,10 @@ class ToolEnvironment:
         if tokenizer.eos_token is None:
             raise SettingError("ToolEnvironment needs a tokenizer with an end-of-turn (EOS) token")
         if self.tool_format == "auto":
-            self.format = detect(None if self.template == "hermes" else tokenizer.chat_template)
+            template = HERMES_CHATML if self.template == "hermes" else tokenizer.chat_template
+            self.format = for_tokenizer(tokenizer, template)
+        elif callable(bind := getattr(self.format, "bind", None)):
+            bind(tokenizer)
         self._tokenizer = tokenizer
         try:
             self._check_probe(tokenizer)

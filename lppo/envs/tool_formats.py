@@ -14,6 +14,8 @@ format is any class with those two methods, named by ``class_path``.
 - :class:`MistralCalls`: ``[TOOL_CALLS]`` followed by a JSON list of
   ``{"name": ..., "arguments": {...}}`` (Mistral v3 tokenizers), or by ``name[ARGS]{...}``
   per call (v11 and later).
+- :class:`ResponseTemplateCalls`: the tokenizer's own response template (transformers'
+  ``tokenizer.parse_response``), for models that ship one; ``auto`` prefers it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ __all__ = [
     "HermesCalls",
     "Llama3JsonCalls",
     "MistralCalls",
+    "ResponseTemplateCalls",
     "ToolCallFormat",
     "detect",
+    "for_tokenizer",
 ]
 
 PYTHON_TAG = "<|python_tag|>"
@@ -56,7 +60,12 @@ class ToolCallFormat(Protocol):
 
 
 def _call(obj: Any, arguments_key: str) -> ToolCall | str:
-    """A decoded JSON value as a call (``name`` and an object under ``arguments_key``)."""
+    """A decoded JSON value as a call (``name`` and an object under ``arguments_key``).
+
+    An OpenAI-style ``{"type": "function", "function": {...}}`` is read as its function.
+    """
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
+        obj = obj["function"]
     if not isinstance(obj, dict):
         return f"a tool call must be a JSON object, got {type(obj).__name__}"
     name = obj.get("name")
@@ -180,13 +189,76 @@ class MistralCalls(RecordsInitArgs):
 def detect(chat_template: str | None) -> ToolCallFormat:
     """The format a chat template writes tool calls in (Hermes when it says nothing else).
 
-    ``[TOOL_CALLS]`` in the template: Mistral (the ``[ARGS]`` style when it has ``[ARGS]``);
-    ``<|python_tag|>`` or a call written with ``"parameters"``: Llama 3.x JSON; otherwise
-    Hermes ``<tool_call>`` blocks.
+    ``<tool_call>`` in the template: Hermes; ``[TOOL_CALLS]``: Mistral (the ``[ARGS]`` style
+    when it has ``[ARGS]``); ``<|python_tag|>`` or a call written with ``"parameters"``:
+    Llama 3.x JSON; otherwise Hermes ``<tool_call>`` blocks.
     """
     template = chat_template or ""
+    if "<tool_call>" in template:
+        return HermesCalls()
     if TOOL_CALLS in template:
         return MistralCalls("args" if ARGS in template else "list")
     if PYTHON_TAG in template or '"parameters": ' in template:
         return Llama3JsonCalls()
     return HermesCalls()
+
+
+class ResponseTemplateCalls(RecordsInitArgs):
+    """The calls the tokenizer's own response template reads (``tokenizer.parse_response``).
+
+    For models whose tokenizer ships a ``response_template`` (transformers 5.13 and later):
+    the model's own parser, so every family it covers is read as its authors intended. The
+    template parses; it does not write, so a call's text (the setup probe's) is ``writer``'s.
+
+    Args:
+        writer: the format that writes a call (``null``: the one :func:`detect` reads from the
+            chat template).
+    """
+
+    def __init__(self, writer: ToolCallFormat | None = None) -> None:
+        self.writer = writer
+        self._tokenizer: Any = None
+
+    def bind(self, tokenizer: Any) -> None:
+        """Parse with ``tokenizer``'s response template from now on.
+
+        Raises:
+            SettingError: the tokenizer has no response template.
+        """
+        if getattr(tokenizer, "response_template", None) is None:
+            raise SettingError(
+                "tool_format=ResponseTemplateCalls but the tokenizer has no response_template; "
+                "use auto, or the family's format (lppo.envs.HermesCalls, Llama3JsonCalls, "
+                "MistralCalls)."
+            )
+        self._tokenizer = tokenizer
+        if self.writer is None:
+            self.writer = detect(getattr(tokenizer, "chat_template", None))
+
+    def parse(self, text: str) -> tuple[list[ToolCall], list[str]]:
+        """The ``tool_calls`` of the message the template parses out of the turn."""
+        if self._tokenizer is None:
+            raise RuntimeError("ResponseTemplateCalls.parse before bind(tokenizer)")
+        try:
+            message = self._tokenizer.parse_response(text, prefix="")
+        except Exception as error:  # the template's parser names what it could not read
+            return [], [f"the response template could not parse the turn: {error}"[:400]]
+        found = [_call(c, "arguments") for c in message.get("tool_calls") or []]
+        return [c for c in found if isinstance(c, ToolCall)], [
+            c for c in found if isinstance(c, str)
+        ]
+
+    def format(self, call: ToolCall) -> str:
+        """``call`` as :attr:`writer` writes it."""
+        if self.writer is None:
+            raise RuntimeError("ResponseTemplateCalls.format before bind(tokenizer)")
+        return self.writer.format(call)
+
+
+def for_tokenizer(tokenizer: Any, chat_template: str | None) -> ToolCallFormat:
+    """``auto``: the tokenizer's response template where it ships one, else :func:`detect`."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        found = ResponseTemplateCalls(detect(chat_template))
+        found.bind(tokenizer)
+        return found
+    return detect(chat_template)

@@ -13,6 +13,7 @@ from lppo.envs import (
     HermesCalls,
     Llama3JsonCalls,
     MistralCalls,
+    ResponseTemplateCalls,
     ToolCall,
     ToolEnvironment,
     Turn,
@@ -127,3 +128,51 @@ def test_auto_with_lppo_s_template_is_hermes_and_a_bad_format_is_refused():
         ToolEnvironment([add], tool_format="xml")
     with pytest.raises(SettingError, match=r"style='json'"):
         MistralCalls("json")
+
+
+#: A response template (transformers' parse_response) for Hermes blocks, as a model would ship.
+HERMES_RESPONSE = {
+    "version": 1,
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close": "</tool_call>",
+            "content": "json",
+            "repeats": True,
+        },
+    },
+}
+
+
+def test_the_tokenizer_s_response_template_parses_where_it_ships_one():
+    tok = _tiny_tokenizer()
+    tok.response_template = HERMES_RESPONSE
+    fmt = ResponseTemplateCalls()
+    fmt.bind(tok)
+    text = "Let me add.\n" + "\n".join(HermesCalls().format(c) for c in CALLS)
+    assert fmt.parse(text) == HermesCalls().parse(text) == (CALLS, [])
+    assert fmt.parse("The answer is 5.") == ([], [])
+    calls, errors = fmt.parse("<tool_call>{bad</tool_call>")
+    assert calls == [] and "could not parse" in errors[0]
+    assert isinstance(fmt.writer, HermesCalls) and fmt.format(CALLS[0]) == HermesCalls().format(
+        CALLS[0]
+    )
+    with pytest.raises(SettingError, match="no response_template"):
+        ResponseTemplateCalls().bind(_tiny_tokenizer())
+
+
+@pytest.mark.slow
+def test_auto_prefers_the_response_template():
+    tok = _tiny_tokenizer()
+    tok.response_template = HERMES_RESPONSE
+    env = ToolEnvironment([add], template="hermes", timeout_s=3)
+    try:
+        env.setup(tok)
+        assert isinstance(env.format, ResponseTemplateCalls)
+        episode = env.start(Prompt("What is 2 + 3?", "5"), seed=0)
+        obs = episode.step(Turn(HermesCalls().format(ToolCall("add", {"a": 2, "b": 3})), (), True))
+        assert (obs.tool_calls, obs.tool_errors) == (1, 0) and "5" in obs.text
+    finally:
+        env.close()
