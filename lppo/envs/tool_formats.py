@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol, runtime_checkable
 
-from lppo.envs.tools import ToolCall, format_tool_call, parse_tool_calls
+from lppo.envs.tools import ToolCall, call_from_json, format_tool_call, parse_tool_calls
 from lppo.init_args import RecordsInitArgs
 from lppo.validation import SettingError
 
@@ -57,30 +57,6 @@ class ToolCallFormat(Protocol):
     def format(self, call: ToolCall) -> str:
         """``call`` as the model writes it."""
         ...
-
-
-def _call(obj: Any, arguments_key: str) -> ToolCall | str:
-    """A decoded JSON value as a call (``name`` and an object under ``arguments_key``).
-
-    An OpenAI-style ``{"type": "function", "function": {...}}`` is read as its function.
-    """
-    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
-        obj = obj["function"]
-    if not isinstance(obj, dict):
-        return f"a tool call must be a JSON object, got {type(obj).__name__}"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return f'a tool call needs a non-empty string "name", got {name!r}'
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    if isinstance(arguments, str):  # a JSON string holding the object (OpenAI style)
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return f'"{arguments_key}" of {name!r} is a string but not JSON: {e.msg}'
-    if not isinstance(arguments, dict):
-        kind = type(arguments).__name__
-        return f'"{arguments_key}" of {name!r} must be a JSON object, got {kind}'
-    return ToolCall(name=name, arguments=arguments)
 
 
 def _json_values(text: str) -> tuple[list[Any], str | None]:
@@ -128,7 +104,7 @@ class Llama3JsonCalls(RecordsInitArgs):
         if not body.startswith("{"):
             return [], []
         values, error = _json_values(body)
-        found = [_call(v, "parameters") for v in values]
+        found = [call_from_json(v, "parameters") for v in values]
         errors = [c for c in found if isinstance(c, str)] + ([error] if error else [])
         return [c for c in found if isinstance(c, ToolCall)], errors
 
@@ -168,12 +144,12 @@ class MistralCalls(RecordsInitArgs):
                 arguments, _ = json.JSONDecoder().raw_decode(rest.lstrip())
             except json.JSONDecodeError as e:
                 return [], [f"invalid JSON after {ARGS}: {e.msg} at char {e.pos}"]
-            parsed = _call({"name": name.strip(), "arguments": arguments}, "arguments")
+            parsed = call_from_json({"name": name.strip(), "arguments": arguments}, "arguments")
         else:  # v3: one JSON list of calls
             values, error = _json_values(part)
             if error or len(values) != 1 or not isinstance(values[0], list):
                 return [], [error or f"{TOOL_CALLS} must be followed by one JSON list of calls"]
-            found = [_call(v, "arguments") for v in values[0]]
+            found = [call_from_json(v, "arguments") for v in values[0]]
             calls = [c for c in found if isinstance(c, ToolCall)]
             return calls, [c for c in found if isinstance(c, str)]
         return ([parsed], []) if isinstance(parsed, ToolCall) else ([], [parsed])
@@ -243,7 +219,7 @@ class ResponseTemplateCalls(RecordsInitArgs):
             message = self._tokenizer.parse_response(text, prefix="")
         except Exception as error:  # the template's parser names what it could not read
             return [], [f"the response template could not parse the turn: {error}"[:400]]
-        found = [_call(c, "arguments") for c in message.get("tool_calls") or []]
+        found = [call_from_json(c, "arguments") for c in message.get("tool_calls") or []]
         return [c for c in found if isinstance(c, ToolCall)], [
             c for c in found if isinstance(c, str)
         ]

@@ -68,27 +68,40 @@ class ToolResult:
 # -- the Hermes text format --------------------------------------------------------------------
 
 
+def call_from_json(obj: Any, arguments_key: str = "arguments") -> ToolCall | str:
+    """A decoded JSON value as a :class:`ToolCall`, or why it is not one (every format's rule).
+
+    The value is an object with a non-empty string ``"name"`` and an object under
+    ``arguments_key`` (or ``"arguments"``; missing: no arguments). Arguments written as a JSON
+    string holding the object (OpenAI style) and an OpenAI-style
+    ``{"type": "function", "function": {...}}`` wrapper are read too.
+    """
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
+        obj = obj["function"]
+    if not isinstance(obj, dict):
+        return f"a tool call must be a JSON object, got {type(obj).__name__}"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return f'a tool call needs a non-empty string "name", got {name!r}'
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            return f'"{arguments_key}" of {name!r} is a string but not JSON: {e.msg}'
+    if not isinstance(arguments, dict):
+        kind = type(arguments).__name__
+        return f'"{arguments_key}" of {name!r} must be a JSON object, got {kind}'
+    return ToolCall(name=name, arguments=arguments)
+
+
 def _parse_block(body: str) -> ToolCall | str:
     """One ``<tool_call>`` body as a :class:`ToolCall`, or why it is not one."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
         return f"invalid JSON in <tool_call>: {e.msg} at char {e.pos}: {body.strip()[:80]!r}"
-    if not isinstance(obj, dict):
-        return f"<tool_call> must hold a JSON object, got {type(obj).__name__}"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return f'<tool_call> needs a non-empty string "name", got {name!r}'
-    arguments = obj.get("arguments", {})
-    # Some models write the arguments as a JSON string holding the object (OpenAI style).
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return f'"arguments" of {name!r} is a string but not JSON: {e.msg}'
-    if not isinstance(arguments, dict):
-        return f'"arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}'
-    return ToolCall(name=name, arguments=arguments)
+    return call_from_json(obj)
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
