@@ -79,8 +79,8 @@ def test_missing_extra_names_the_install(tmp_path: Path) -> None:
             "model.estimator",
             "lppo.estimators.GRPo",
             "did you mean lppo.estimators.GRPO? lppo's AdvantageEstimator classes: "
-            "lppo.estimators.GAE, lppo.estimators.GRPO, lppo.estimators.RLOO, "
-            "lppo.estimators.ReinforcePP",
+            "lppo.estimators.Distill, lppo.estimators.GAE, lppo.estimators.GRPO, "
+            "lppo.estimators.RLOO, lppo.estimators.ReinforcePP",
             id="unknown-estimator",
         ),
         pytest.param(
