@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from lppo.decisions import note
 from lppo.envs.base import Episode, Observation, Turn
 from lppo.envs.templates import HERMES_CHATML, lost_characters, renders_tools
-from lppo.envs.tool_formats import ToolCallFormat, detect, for_tokenizer
+from lppo.envs.tool_formats import ResponseTemplateCalls, ToolCallFormat, detect, for_tokenizer
 from lppo.envs.tools import ToolBox, ToolCall, ToolResult
 from lppo.tasks.base import Prompt
 from lppo.validation import SettingError
@@ -174,6 +175,9 @@ class ToolEnvironment:
         if self.tool_format == "auto":
             template = HERMES_CHATML if self.template == "hermes" else tokenizer.chat_template
             self.format = for_tokenizer(tokenizer, template)
+            shipped = isinstance(self.format, ResponseTemplateCalls)
+            why = "the tokenizer's response template" if shipped else "the chat template"
+            note(f"{_KEY}.tool_format", type(self.format).__name__, why)
         elif callable(bind := getattr(self.format, "bind", None)):
             bind(tokenizer)
         self._tokenizer = tokenizer
